@@ -1,0 +1,1 @@
+"""kmix.layers (filled in by its issue)."""

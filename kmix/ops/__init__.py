@@ -1,0 +1,1 @@
+"""kmix.ops (filled in by its issue)."""

@@ -1,0 +1,476 @@
+"""`kmix.LossScaleOptimizer`: dynamic loss scaling with bounds, hysteresis and counters."""
+
+import math
+import numbers
+
+import keras
+import tensorflow as tf
+
+from kmix._compat import no_automatic_dependency_tracking, strategy_supports_no_merge_call
+from kmix.optimizers import master_weights as mw
+
+_HALF = ("float16", "bfloat16")
+
+
+@keras.saving.register_keras_serializable(package="kmix")
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """A `keras.optimizers.LossScaleOptimizer` with bounds, hysteresis and counters.
+
+    The loss is multiplied by `loss_scale` before the backward pass so that
+    small float16 gradients do not flush to zero; the gradients are divided by
+    it again (in float32) before the inner optimizer sees them. On every
+    `apply(grads)`:
+
+    ```
+    finite = all gradients finite            # decided on the gradients as summed over all replicas
+    if not finite:                           # skip: no weight, slot, EMA or iteration changes
+        skipped_steps += 1; good_steps = 0; hysteresis_left -= 1
+        if dynamic and hysteresis_left <= 0: scale = max(scale * backoff_factor, min_scale)
+    else:
+        apply inner optimizer to grads / scale (unscaled in float32)
+        good_steps += 1
+        if dynamic and good_steps == growth_interval:
+            good_steps = 0; hysteresis_left = hysteresis; scale = min(scale * growth_factor, max_scale)
+    ```
+
+    With `hysteresis=1` and the bounds out of reach this is
+    `torch.amp.GradScaler`'s trajectory; with `hysteresis=2` it is Megatron-LM's.
+    It is a subclass of Keras's class, so `model.compile` does not wrap it
+    again and Keras's trainer calls its `scale_loss`. Keras's variables
+    `dynamic_scale` (the scale) and `step_counter` (`good_steps`) are kept.
+
+    Args:
+        inner_optimizer: the `keras.optimizers.Optimizer` to wrap.
+        initial_scale: the first loss scale, > 0 and within the bounds.
+        growth_interval: finite steps between two growths, an int >= 1.
+            `dynamic_growth_steps`, Keras's name, is accepted as an alias.
+        growth_factor: what the scale is multiplied by on growth, > 1.
+        backoff_factor: what the scale is multiplied by on overflow, in (0, 1).
+        hysteresis: overflows tolerated before the scale backs off, int >= 1.
+        min_scale: the floor of the scale, > 0.
+        max_scale: the cap of the scale, >= `min_scale`.
+        dynamic: `False` keeps the scale at `initial_scale`; non-finite steps
+            are still skipped.
+        master_weights: `True` keeps float32 copies of float16/bfloat16
+            trainable variables and lets the inner optimizer update those;
+            `False` updates the variables directly; `"auto"` (the default)
+            is `True` unless the active policy has half parameters and asks
+            for none (kmix's `"O3"`, Keras's `"float16"` / `"bfloat16"`).
+        name: the optimizer's name.
+
+    Example:
+
+    >>> opt = kmix.LossScaleOptimizer(keras.optimizers.Adam(1e-3), hysteresis=2)
+    >>> model.compile(optimizer=opt, loss="mse")
+    >>> model.fit(x, y)
+    >>> float(opt.loss_scale), int(opt.skipped_steps), opt.overflow_report()[:3]
+    """
+
+    def __init__(
+        self,
+        inner_optimizer,
+        initial_scale=2.0**15,
+        growth_interval=2000,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        hysteresis=1,
+        min_scale=1.0,
+        max_scale=2.0**24,
+        dynamic=True,
+        name=None,
+        master_weights="auto",
+        dynamic_growth_steps=None,
+        **kwargs,
+    ):
+        if dynamic_growth_steps is not None:
+            if growth_interval not in (2000, dynamic_growth_steps):
+                raise ValueError(
+                    "`dynamic_growth_steps` is Keras's name for `growth_interval`; "
+                    f"received both, with different values: growth_interval={growth_interval!r}, "
+                    f"dynamic_growth_steps={dynamic_growth_steps!r}. Pass only one."
+                )
+            growth_interval = dynamic_growth_steps
+        _check_inner(inner_optimizer)
+        initial_scale = _positive_number("initial_scale", initial_scale)
+        growth_interval = _positive_int("growth_interval", growth_interval)
+        growth_factor = _number("growth_factor", growth_factor)
+        if not growth_factor > 1.0:
+            raise ValueError(f"`growth_factor` must be > 1. Received: growth_factor={growth_factor!r}")
+        backoff_factor = _number("backoff_factor", backoff_factor)
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(
+                "`backoff_factor` must be in the open interval (0, 1). "
+                f"Received: backoff_factor={backoff_factor!r}"
+            )
+        hysteresis = _positive_int("hysteresis", hysteresis)
+        min_scale = _positive_number("min_scale", min_scale)
+        max_scale = _positive_number("max_scale", max_scale, allow_inf=True)
+        if min_scale > max_scale:
+            raise ValueError(
+                "`min_scale` must be <= `max_scale`. "
+                f"Received: min_scale={min_scale!r}, max_scale={max_scale!r}"
+            )
+        if not isinstance(dynamic, bool):
+            raise TypeError(f"`dynamic` must be True or False. Received: dynamic={dynamic!r}")
+        if dynamic and not min_scale <= initial_scale <= max_scale:
+            raise ValueError(
+                "`initial_scale` must lie within [min_scale, max_scale]. Received: "
+                f"initial_scale={initial_scale!r}, min_scale={min_scale!r}, max_scale={max_scale!r}"
+            )
+        if master_weights == "auto":
+            master_weights = mw.auto_master_weights()
+        elif not isinstance(master_weights, bool):
+            raise ValueError(
+                "`master_weights` must be 'auto', True or False. "
+                f"Received: master_weights={master_weights!r}"
+            )
+        super().__init__(
+            inner_optimizer,
+            initial_scale=initial_scale,
+            dynamic_growth_steps=growth_interval,
+            name=name,
+            **kwargs,
+        )
+        self.growth_interval = growth_interval
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.hysteresis = hysteresis
+        self.min_scale = min_scale
+        self.max_scale = max_scale
+        self.dynamic = dynamic
+        self.master_weights = master_weights
+
+    # ------------------------------------------------------------------ state
+    @no_automatic_dependency_tracking
+    def build(self, var_list):
+        """Creates the scale, the counters, master weights and the inner optimizer's slots."""
+        if self.built:
+            return
+        var_list = list(var_list)
+        self._variable_paths = [_variable_path(v) for v in var_list]
+        self._model_variables = var_list
+        self._masters = {}
+        if self.master_weights and any(_dtype(v) in _HALF for v in var_list):
+            if self.inner_optimizer.built:
+                raise ValueError(
+                    "Master weights need an inner optimizer that is not built yet, so that it "
+                    "builds its slots on the float32 copies; received a built "
+                    f"{type(self.inner_optimizer).__name__}. Wrap a fresh optimizer, or pass "
+                    "master_weights=False."
+                )
+            self._masters = mw.create_masters(self, var_list)
+        inner_vars = [self._masters.get(i, v) for i, v in enumerate(var_list)]
+        # Keras's build creates `step_counter` and `dynamic_scale` and builds the inner
+        # optimizer on the list it is given: the float32 copies where there are some.
+        super().build(inner_vars)
+        int_var = lambda name, shape=(): self.add_variable(  # noqa: E731
+            shape=shape, dtype="int64", initializer="zeros", aggregation="none", name=name
+        )
+        self._skipped_steps = int_var("skipped_steps")
+        self._hysteresis_left = self.add_variable(
+            shape=(),
+            dtype="int64",
+            initializer=keras.initializers.Constant(self.hysteresis),
+            aggregation="none",
+            name="hysteresis_left",
+        )
+        self._overflow_counts = int_var("overflow_counts", (len(var_list),))
+        self._min_scale_overflows = int_var("min_scale_overflows")
+        self._growth_interval_var = self.add_variable(
+            shape=(),
+            dtype="int64",
+            initializer=keras.initializers.Constant(self.growth_interval),
+            aggregation="none",
+            name="current_growth_interval",
+        )
+        self._index = {id(v): i for i, v in enumerate(var_list)}
+
+    @property
+    def loss_scale(self):
+        """The current loss scale, a float32 scalar tensor."""
+        if not self.built:
+            return tf.constant(self.initial_scale, tf.float32)
+        return tf.convert_to_tensor(self.dynamic_scale)
+
+    @property
+    def good_steps(self):
+        """Finite steps since the scale last changed (Keras's `step_counter`)."""
+        return self._built_attr("step_counter")
+
+    @property
+    def skipped_steps(self):
+        """How many steps were skipped for non-finite gradients (an int64 variable)."""
+        return self._built_attr("_skipped_steps")
+
+    @property
+    def hysteresis_left(self):
+        """Overflows left before the next back-off (an int64 variable)."""
+        return self._built_attr("_hysteresis_left")
+
+    @property
+    def overflow_counts(self):
+        """Per trainable variable, how often its gradient was non-finite (int64 vector)."""
+        return self._built_attr("_overflow_counts")
+
+    @property
+    def min_scale_overflows(self):
+        """Overflows that happened while the scale was already at `min_scale`."""
+        return self._built_attr("_min_scale_overflows")
+
+    @property
+    def current_growth_interval(self):
+        """The growth interval in force (a variable: `LossScaleWarmup` changes it)."""
+        return self._built_attr("_growth_interval_var")
+
+    def _built_attr(self, name):
+        if not self.built:
+            raise ValueError(
+                f"{type(self).__name__} {self.name!r} is not built yet: its counters exist once "
+                "it has applied a step or `optimizer.build(model.trainable_variables)` was called."
+            )
+        return getattr(self, name)
+
+    def overflow_report(self, top=None):
+        """The variables whose gradients were non-finite, most frequent first.
+
+        Args:
+            top: keep only the first `top` rows; all by default.
+
+        Returns:
+            A list of `(variable_path, count)` with `count > 0`, sorted by count
+            (descending), then path.
+        """
+        counts = [int(c) for c in keras.ops.convert_to_numpy(self.overflow_counts)]
+        rows = sorted(
+            ((p, c) for p, c in zip(self._variable_paths, counts) if c > 0),
+            key=lambda row: (-row[1], row[0]),
+        )
+        return rows if top is None else rows[:top]
+
+    # ------------------------------------------------------------------ loss
+    def scale_loss(self, loss):
+        """Multiplies `loss` by the current scale (what Keras's trainer calls).
+
+        Before the optimizer is built this uses `initial_scale`; a `tf.function`
+        that builds the optimizer on its first call is traced again by
+        TensorFlow once the variables exist, so the graph reads the variable.
+        """
+        return super().scale_loss(loss)
+
+    def get_scaled_loss(self, loss):
+        """tf.keras's name for `scale_loss`: `loss * loss_scale`, for custom loops."""
+        return self.scale_loss(loss)
+
+    def get_unscaled_gradients(self, grads):
+        """tf.keras's name: divides each gradient by the current scale, in float32.
+
+        `apply` unscales by itself, so pass scaled gradients to `apply` and use
+        this only to inspect or log the true gradients.
+        """
+        scale = self.loss_scale
+        return [None if g is None else _unscale(g, scale) for g in grads]
+
+    # ----------------------------------------------------------------- apply
+    def apply(self, grads, trainable_variables=None):
+        """Applies scaled `grads` once, or skips the step if any is non-finite."""
+        grads = list(grads)
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+        variables = self._resolve_variables(grads, trainable_variables)
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None:
+            raise ValueError(
+                "apply() must be called in a replica context (inside `strategy.run`), "
+                "not in the cross-replica context."
+            )
+        nonfinite = self._nonfinite_per_variable(grads, variables)
+        if ctx.num_replicas_in_sync > 1:
+            # Every replica sees every replica's overflow, so all skip together.
+            nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
+        finite = tf.equal(tf.reduce_sum(nonfinite), 0.0)
+        scale = tf.convert_to_tensor(self.dynamic_scale)
+        if strategy_supports_no_merge_call():
+            tf.cond(finite, lambda: self._apply_unscaled(grads, variables, scale), lambda: None)
+        else:
+            ctx.merge_call(self._cross_replica_apply, args=(finite, grads, variables, scale))
+        self._update_state(finite, nonfinite, scale)
+        return self.iterations
+
+    def _cross_replica_apply(self, distribution, finite, grads, variables, scale):
+        # tf.distribute forbids a merge call inside a replica-context cond, and the
+        # inner optimizer merges: so the cond runs here, in cross-replica context.
+        finite = distribution.experimental_local_results(finite)[0]
+
+        def apply_fn():
+            distribution.extended.call_for_each_replica(
+                self._apply_unscaled, args=(grads, variables, scale)
+            )
+
+        tf.cond(finite, apply_fn, lambda: None)
+
+    def _apply_unscaled(self, grads, variables, scale):
+        unscaled = [
+            g if g is None or getattr(v, "overwrite_with_gradient", False) else _unscale(g, scale)
+            for g, v in zip(grads, variables)
+        ]
+        if not self._masters:
+            self.inner_optimizer.apply(unscaled, variables)
+            return
+        indices = [self._index[id(v)] for v in variables]
+        masters = [self._masters.get(i, v) for i, v in zip(indices, variables)]
+        self.inner_optimizer.apply(unscaled, masters)
+        mw.copy_to_model(self._masters, self._model_variables, indices)
+
+    def _update_state(self, finite, nonfinite, scale):
+        one = tf.constant(1, tf.int64)
+        zero = tf.constant(0, tf.int64)
+        good = tf.where(finite, tf.convert_to_tensor(self.step_counter) + 1, 0)
+        grow = tf.logical_and(finite, tf.equal(tf.cast(good, tf.int64), self._growth_interval_var))
+        hysteresis_left = tf.where(
+            finite,
+            tf.where(grow, tf.constant(self.hysteresis, tf.int64), self._hysteresis_left),
+            tf.maximum(self._hysteresis_left - 1, zero),
+        )
+        new_scale = scale
+        if self.dynamic:
+            backoff = tf.logical_and(tf.logical_not(finite), hysteresis_left <= 0)
+            new_scale = tf.where(grow, tf.minimum(scale * self.growth_factor, self.max_scale), scale)
+            new_scale = tf.where(
+                backoff, tf.maximum(scale * self.backoff_factor, self.min_scale), new_scale
+            )
+        skipped = tf.where(finite, zero, one)
+        self.step_counter.assign(tf.where(grow, tf.zeros_like(good), good))
+        self._hysteresis_left.assign(hysteresis_left)
+        self.dynamic_scale.assign(new_scale)
+        self._skipped_steps.assign_add(skipped)
+        self._overflow_counts.assign_add(tf.cast(nonfinite > 0, tf.int64))
+        self._min_scale_overflows.assign_add(
+            tf.where(scale <= self.min_scale, skipped, zero)
+        )
+
+    def _resolve_variables(self, grads, trainable_variables):
+        if trainable_variables is None:
+            variables = self._model_variables
+        else:
+            variables = list(trainable_variables)
+        if len(grads) != len(variables):
+            raise ValueError(
+                f"Received {len(grads)} gradients for {len(variables)} variables; "
+                "expected one gradient (or None) per variable."
+            )
+        unknown = [_variable_path(v) for v in variables if id(v) not in self._index]
+        if unknown:
+            raise ValueError(
+                f"{type(self).__name__} was built for other variables; received variables it "
+                f"does not know: {unknown[:5]}. Build it with every variable it will update."
+            )
+        return variables
+
+    def _nonfinite_per_variable(self, grads, variables):
+        flags = [tf.constant(0.0)] * len(self._model_variables)
+        for g, v in zip(grads, variables):
+            if g is None:
+                continue
+            values = g.values if isinstance(g, tf.IndexedSlices) else g
+            flags[self._index[id(v)]] = tf.cast(
+                tf.logical_not(tf.reduce_all(tf.math.is_finite(values))), tf.float32
+            )
+        if not flags:
+            return tf.zeros((0,), tf.float32)
+        return tf.stack(flags)
+
+    def finalize_variable_values(self, var_list):
+        """Lets the inner optimizer write its EMA (if any) into the model variables."""
+        if not self._masters_for(var_list):
+            return super().finalize_variable_values(var_list)
+        indices = [self._index[id(v)] for v in var_list]
+        self.inner_optimizer.finalize_variable_values(
+            [self._masters.get(i, v) for i, v in zip(indices, var_list)]
+        )
+        mw.copy_to_model(self._masters, self._model_variables, indices)
+
+    def _masters_for(self, var_list):
+        return bool(getattr(self, "_masters", None)) and all(id(v) in self._index for v in var_list)
+
+    # ----------------------------------------------------------------- config
+    def get_config(self):
+        """Every constructor argument, so `from_config` rebuilds the same optimizer."""
+        config = super().get_config()
+        config.pop("dynamic_growth_steps")
+        config.update(
+            growth_interval=self.growth_interval,
+            growth_factor=self.growth_factor,
+            backoff_factor=self.backoff_factor,
+            hysteresis=self.hysteresis,
+            min_scale=self.min_scale,
+            max_scale=self.max_scale,
+            dynamic=self.dynamic,
+            master_weights=self.master_weights,
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """Re-creates the optimizer; also accepts configs of Keras's own class."""
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(
+            config.pop("inner_optimizer"), custom_objects=custom_objects
+        )
+        return cls(inner, **config)
+
+
+def _unscale(g, scale):
+    """`g / scale`, in float32 for half gradients (IndexedSlices kept sparse)."""
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(_unscale(g.values, scale), g.indices, g.dense_shape)
+    if g.dtype in (tf.float16, tf.bfloat16):
+        g = tf.cast(g, tf.float32)
+    return g / tf.cast(scale, g.dtype)
+
+
+def _check_inner(inner):
+    if isinstance(inner, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            "`inner_optimizer` is already a LossScaleOptimizer; scaling twice would square "
+            f"the scale. Received: inner_optimizer={inner!r}. Use `kmix.wrap(opt)`, which "
+            "re-wraps a Keras LossScaleOptimizer's inner optimizer."
+        )
+    if not isinstance(inner, keras.optimizers.Optimizer):
+        raise TypeError(
+            "`inner_optimizer` must be a `keras.optimizers.Optimizer` instance. Received: "
+            f"inner_optimizer={inner!r} (of type {type(inner).__name__}). Use `kmix.wrap('adam')` "
+            "to create one from a name or a config."
+        )
+
+
+def _number(name, value, allow_inf=False):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"`{name}` must be a real number. Received: {name}={value!r}")
+    value = float(value)
+    if math.isnan(value) or (math.isinf(value) and not allow_inf):
+        raise ValueError(f"`{name}` must be finite. Received: {name}={value!r}")
+    return value
+
+
+def _positive_number(name, value, allow_inf=False):
+    value = _number(name, value, allow_inf)
+    if not value > 0:
+        raise ValueError(f"`{name}` must be > 0. Received: {name}={value!r}")
+    return value
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"`{name}` must be an int >= 1. Received: {name}={value!r}")
+    if value < 1:
+        raise ValueError(f"`{name}` must be an int >= 1. Received: {name}={value!r}")
+    return int(value)
+
+
+def _dtype(v):
+    return keras.backend.standardize_dtype(v.dtype)
+
+
+def _variable_path(v):
+    return getattr(v, "path", None) or v.name

@@ -1,0 +1,75 @@
+"""`kmix.wrap(optimizer)`: the one call that makes an optimizer mixed-precision safe."""
+
+import keras
+
+from kmix.optimizers.loss_scale import LossScaleOptimizer
+
+
+def wrap(optimizer, **kwargs):
+    """Returns `optimizer` wrapped in a `kmix.LossScaleOptimizer` suited to the policy.
+
+    Under a float16 compute policy the loss scale is dynamic (Keras's and
+    torch's defaults: 2^15, x2 every 2000 finite steps, /2 on overflow). Under
+    bfloat16 or float32, which need no loss scaling, the scale is fixed at 1
+    (`dynamic=False, initial_scale=1`) and non-finite steps are still skipped,
+    so one bad batch never corrupts the weights.
+
+    Args:
+        optimizer: a Keras optimizer instance, a name (`"adam"`) or a config
+            dict, as `keras.optimizers.get` accepts; or a Keras
+            `LossScaleOptimizer`, whose inner optimizer is re-wrapped and whose
+            current scale is kept; or a kmix optimizer, returned as it is.
+        **kwargs: arguments of `kmix.LossScaleOptimizer`; they override the
+            policy's defaults.
+
+    Returns:
+        A `kmix.LossScaleOptimizer`.
+
+    Example:
+
+    >>> model.compile(optimizer=kmix.wrap(keras.optimizers.AdamW(3e-4)), loss="mse")
+    >>> kmix.wrap("adam", hysteresis=2)
+    """
+    if isinstance(optimizer, LossScaleOptimizer):
+        config = optimizer.get_config()
+        conflicts = {k: v for k, v in kwargs.items() if k not in config or config[k] != v}
+        if conflicts:
+            raise ValueError(
+                "`optimizer` is already a kmix.LossScaleOptimizer; it is returned unchanged, so "
+                "keyword arguments must agree with its config. Received conflicting: "
+                + ", ".join(f"{k}={v!r} (has {config.get(k, 'no such argument')!r})" for k, v in conflicts.items())
+                + ". Create a new one with `kmix.LossScaleOptimizer(opt.inner_optimizer, ...)` instead."
+            )
+        return optimizer
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        defaults = {
+            "initial_scale": float(keras.ops.convert_to_numpy(optimizer.dynamic_scale))
+            if optimizer.built
+            else float(optimizer.initial_scale),
+            "growth_interval": optimizer.dynamic_growth_steps,
+        }
+        return LossScaleOptimizer(optimizer.inner_optimizer, **{**defaults, **kwargs})
+    inner = _get_optimizer(optimizer)
+    compute = keras.config.dtype_policy().compute_dtype
+    defaults = {} if compute == "float16" else {"dynamic": False, "initial_scale": 1.0}
+    if kwargs.get("dynamic", defaults.get("dynamic", True)) is False and "min_scale" not in kwargs:
+        defaults["min_scale"] = min(1.0, kwargs.get("initial_scale", 1.0))
+    return LossScaleOptimizer(inner, **{**defaults, **kwargs})
+
+
+def _get_optimizer(optimizer):
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        return optimizer
+    if isinstance(optimizer, (str, dict)):
+        try:
+            return keras.optimizers.get(optimizer)
+        except ValueError as e:
+            raise ValueError(
+                f"`optimizer` could not be interpreted as a Keras optimizer. Received: "
+                f"optimizer={optimizer!r}. Expected an optimizer instance, a name such as "
+                f"'adam' or a config dict. ({e})"
+            ) from None
+    raise TypeError(
+        "`optimizer` must be a keras.optimizers.Optimizer instance, a name such as 'adam', or "
+        f"a config dict. Received: optimizer={optimizer!r} (of type {type(optimizer).__name__})."
+    )

@@ -1,0 +1,1 @@
+"""kmix.policy (filled in by its issue)."""

@@ -1,0 +1,1 @@
+"""kmix.schedules (filled in by its issue)."""

@@ -1,0 +1,37 @@
+"""Shared pytest fixtures: every test starts and ends under Keras's default policy."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+# Two logical CPU devices so that tf.distribute tests can run on one CPU.
+# This must happen before TensorFlow initialises its devices.
+_cpus = tf.config.list_physical_devices("CPU")
+if _cpus:
+    try:
+        tf.config.set_logical_device_configuration(
+            _cpus[0],
+            [tf.config.LogicalDeviceConfiguration()] * 2,
+        )
+    except RuntimeError:  # devices already initialised by an earlier import
+        pass
+
+
+@pytest.fixture(autouse=True)
+def restore_keras_globals():
+    """Restore Keras's global dtype policy (and kmix's) after every test."""
+    policy = keras.config.dtype_policy()
+    try:
+        from kmix.policy import _state  # noqa: F401  (present once #4 lands)
+    except ImportError:
+        _state = None
+    saved = _state.save() if _state is not None and hasattr(_state, "save") else None
+    yield
+    keras.config.set_dtype_policy(policy)
+    if saved is not None:
+        _state.restore(saved)
+    keras.backend.clear_session()
