@@ -327,6 +327,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         zero = tf.constant(0, tf.int64)
         good = tf.where(finite, tf.convert_to_tensor(self.step_counter) + 1, 0)
         grow = tf.logical_and(finite, tf.equal(tf.cast(good, tf.int64), self._growth_interval_var))
+        grow = tf.logical_and(grow, self.dynamic)
         hysteresis_left = tf.where(
             finite,
             tf.where(grow, tf.constant(self.hysteresis, tf.int64), self._hysteresis_left),

@@ -1,0 +1,163 @@
+"""`kmix.LossScaleOptimizer` inside `model.fit`: skipped steps, Keras parity, every optimizer."""
+
+import numpy as np
+import pytest
+
+import keras
+import kmix
+
+
+def make_model(seed=0, policy=None):
+    keras.utils.set_random_seed(seed)
+    if policy:
+        keras.config.set_dtype_policy(policy)
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="tanh"),
+            keras.layers.Dense(1, dtype="float32"),
+        ]
+    )
+
+
+def make_data(n=48, bad_rows=()):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(n, 6)).astype("float32")
+    y = (x @ rng.normal(size=(6, 1))).astype("float32")
+    for r in bad_rows:
+        x[r, 0] = np.inf
+    return x, y
+
+
+class Recorder(keras.callbacks.Callback):
+    """Copies the model's and the inner optimizer's variables after every batch."""
+
+    def on_train_begin(self, logs=None):
+        self.states = [self.snapshot()]
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.states.append(self.snapshot())
+
+    def snapshot(self):
+        opt = self.model.optimizer
+        inner = [v.numpy().copy() for v in opt.inner_optimizer.variables] if opt.built else []
+        return [w.copy() for w in self.model.get_weights()], inner
+
+
+MODES = {"eager": dict(run_eagerly=True), "graph": dict(), "jit": dict(jit_compile=True)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_skipped_step_leaves_everything_bit_identical(mode):
+    model = make_model()
+    inner = keras.optimizers.Adam(1e-2, use_ema=True, ema_overwrite_frequency=None)
+    opt = kmix.wrap(inner)  # float32 policy: fixed scale 1, still skips
+    model.compile(optimizer=opt, loss="mse", **MODES[mode])
+    x, y = make_data(bad_rows=[20])  # batch 2 of 8-row batches holds an inf
+    rec = Recorder()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[rec])
+    before, after = rec.states[2], rec.states[3]  # around batch index 2
+    for a, b in zip(before[0] + before[1], after[0] + after[1]):
+        np.testing.assert_array_equal(a, b)
+    # The finite steps did move the weights.
+    assert not np.array_equal(rec.states[1][0][0], rec.states[0][0][0])
+    assert not np.array_equal(rec.states[4][0][0], rec.states[3][0][0])
+    assert int(opt.skipped_steps) == 1
+    assert int(opt.iterations) == 5
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_same_weights_as_keras_loss_scale_optimizer(jit):
+    """Under mixed_float16, with Keras's growth/backoff settings, kmix == Keras step for step."""
+    x, y = make_data()
+    weights = {}
+    for name in ("keras", "kmix"):
+        model = make_model(policy="mixed_float16")
+        inner = keras.optimizers.Adam(1e-2)
+        if name == "keras":
+            opt = keras.optimizers.LossScaleOptimizer(inner, dynamic_growth_steps=2)
+        else:
+            opt = kmix.wrap(inner, growth_interval=2)
+        model.compile(optimizer=opt, loss="mse", jit_compile=jit)
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        weights[name] = (model.get_weights(), float(opt.dynamic_scale.numpy()), int(opt.iterations))
+    # The scale grew and backed off along the way (4 of 12 steps overflow), identically.
+    assert weights["kmix"][1:] == weights["keras"][1:] == (2.0**15, 8)
+    for a, b in zip(*(weights[k][0] for k in ("keras", "kmix"))):
+        np.testing.assert_array_equal(a, b)
+
+
+OPTIMIZERS = {
+    "SGD": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "Adam": lambda: keras.optimizers.Adam(1e-2),
+    "AdamW": lambda: keras.optimizers.AdamW(1e-2),
+    "RMSprop": lambda: keras.optimizers.RMSprop(1e-2),
+    "Adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "Adadelta": lambda: keras.optimizers.Adadelta(1.0),
+    "Adamax": lambda: keras.optimizers.Adamax(1e-2),
+    "Nadam": lambda: keras.optimizers.Nadam(1e-2),
+    "Lion": lambda: keras.optimizers.Lion(1e-3),
+    "Adafactor": lambda: keras.optimizers.Adafactor(1e-2),
+    "Ftrl": lambda: keras.optimizers.Ftrl(0.1),
+    "Lamb": lambda: keras.optimizers.Lamb(1e-2),
+    "clipnorm": lambda: keras.optimizers.Adam(1e-2, clipnorm=0.1),
+    "global_clipnorm": lambda: keras.optimizers.SGD(0.05, global_clipnorm=0.1),
+    "ema": lambda: keras.optimizers.Adam(1e-2, use_ema=True, ema_overwrite_frequency=3),
+    "schedule": lambda: keras.optimizers.SGD(
+        keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=2, decay_rate=0.5)
+    ),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_optimizer_matches_unwrapped(name):
+    """A float32 model: scaling by 2^15 and back is exact, so kmix == the bare optimizer.
+
+    Clipping therefore sees unscaled gradients (a scaled norm would clip
+    differently), and a skipped batch is left out as if it were not there.
+    """
+    x, y = make_data(bad_rows=[13])
+    runs = {}
+    for wrapped in (False, True):
+        model = make_model()
+        opt = OPTIMIZERS[name]()
+        if wrapped:
+            opt = kmix.wrap(opt, dynamic=True, initial_scale=2.0**15, growth_interval=2)
+        model.compile(optimizer=opt, loss="mse", steps_per_execution=2)
+        if wrapped:
+            model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+            assert int(opt.skipped_steps) == 1
+        else:  # the reference skips the bad batch by hand
+            keep = np.ones(len(x), bool)
+            keep[8:16] = False
+            model.fit(x[keep], y[keep], batch_size=8, epochs=1, shuffle=False, verbose=0)
+        runs[wrapped] = model.get_weights()
+    for a, b in zip(runs[False], runs[True]):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+
+
+def test_counters_survive_save_and_load(tmp_path):
+    model = make_model(policy="mixed_float16")
+    opt = kmix.wrap(keras.optimizers.Adam(1e-2), hysteresis=2, growth_interval=3)
+    model.compile(optimizer=opt, loss="mse")
+    x, y = make_data(bad_rows=[3, 20])
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    lopt = loaded.optimizer
+    assert type(lopt) is kmix.LossScaleOptimizer
+    assert lopt.get_config() == opt.get_config()
+    for name in ("loss_scale", "skipped_steps", "good_steps", "hysteresis_left",
+                 "overflow_counts", "min_scale_overflows", "iterations"):
+        np.testing.assert_array_equal(
+            keras.ops.convert_to_numpy(getattr(lopt, name)),
+            keras.ops.convert_to_numpy(getattr(opt, name)),
+            err_msg=name,
+        )
+    assert int(lopt.skipped_steps) == 2
+    # A loaded model's variable paths lose the model's name prefix; the rows stay.
+    report, loaded_report = opt.overflow_report(), lopt.overflow_report()
+    assert [c for _, c in loaded_report] == [c for _, c in report] == [2]
+    assert report[0][0].endswith(loaded_report[0][0])
