@@ -85,9 +85,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if dynamic_growth_steps is not None:
             if growth_interval not in (2000, dynamic_growth_steps):
                 raise ValueError(
-                    "`dynamic_growth_steps` is Keras's name for `growth_interval`; "
-                    f"received both, with different values: growth_interval={growth_interval!r}, "
-                    f"dynamic_growth_steps={dynamic_growth_steps!r}. Pass only one."
+                    "`dynamic_growth_steps` is Keras's name for `growth_interval`; pass only "
+                    f"one. Received: growth_interval={growth_interval!r}, "
+                    f"dynamic_growth_steps={dynamic_growth_steps!r}"
                 )
             growth_interval = dynamic_growth_steps
         _check_inner(inner_optimizer)
