@@ -1,0 +1,82 @@
+"""`kmix.schedules.Scaled`: another schedule multiplied by a constant factor."""
+
+import math
+import numbers
+
+import keras
+from keras import ops
+
+
+@keras.saving.register_keras_serializable(package="kmix")
+class Scaled(keras.optimizers.schedules.LearningRateSchedule):
+    """`factor * schedule(step)`: lowers (or raises) a whole schedule at once.
+
+    This is how `kmix.callbacks.NaNGuard` multiplies a schedule learning rate
+    by its `lr_factor`: a schedule's value cannot be assigned like a float
+    rate's variable. Scaling a `Scaled` again multiplies the factors instead
+    of nesting (see `scale`).
+
+    Args:
+        schedule: a `keras.optimizers.schedules.LearningRateSchedule`.
+        factor: the multiplier, a finite float > 0.
+
+    Returns (when called with a step):
+        `factor * schedule(step)`, in the schedule's dtype.
+
+    Example:
+
+    >>> decay = keras.optimizers.schedules.ExponentialDecay(1e-3, 1000, 0.5)
+    >>> half = kmix.schedules.Scaled(decay, 0.5)
+    >>> float(half(1000))
+    0.00025
+    """
+
+    def __init__(self, schedule, factor):
+        if not isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+            raise TypeError(
+                "`schedule` must be a keras.optimizers.schedules.LearningRateSchedule. "
+                f"Received: schedule={schedule!r} (of type {type(schedule).__name__})."
+            )
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+            raise TypeError(f"`factor` must be a float > 0. Received: factor={factor!r}")
+        if not (math.isfinite(float(factor)) and float(factor) > 0.0):
+            raise ValueError(f"`factor` must be a finite float > 0. Received: factor={factor!r}")
+        self.schedule = schedule
+        self.factor = float(factor)
+
+    @classmethod
+    def scale(cls, schedule, factor):
+        """`schedule` times `factor`; a `Scaled` gets its factor multiplied, not a wrapper.
+
+        Args:
+            schedule: any `LearningRateSchedule`.
+            factor: the multiplier, > 0.
+
+        Returns:
+            A new `Scaled`.
+        """
+        if isinstance(schedule, Scaled):
+            return cls(schedule.schedule, schedule.factor * float(factor))
+        return cls(schedule, factor)
+
+    def __call__(self, step):
+        """The scaled learning rate at `step`."""
+        value = ops.convert_to_tensor(self.schedule(step))
+        return value * ops.cast(self.factor, value.dtype)
+
+    def get_config(self):
+        """The nested schedule (serialized) and the factor."""
+        return {
+            "schedule": keras.saving.serialize_keras_object(self.schedule),
+            "factor": self.factor,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        """Re-creates the schedule, deserializing the nested one."""
+        config = dict(config)
+        config["schedule"] = keras.saving.deserialize_keras_object(config["schedule"])
+        return cls(**config)
+
+    def __repr__(self):
+        return f"Scaled(schedule={self.schedule!r}, factor={self.factor})"

@@ -1,0 +1,153 @@
+"""`kmix.schedules.Warmup`: a learning-rate warm-up computed in-graph."""
+
+import math
+import numbers
+
+import keras
+from keras import ops
+
+SHAPES = ("linear", "exponential", "cosine")
+
+
+@keras.saving.register_keras_serializable(package="kmix")
+class Warmup(keras.optimizers.schedules.LearningRateSchedule):
+    """Ramps the learning rate from `initial * base(step)` up to `base(step)`.
+
+    With `t = min(step / warmup_steps, 1)` the rate is `base(step) * f(t)`:
+
+    ```
+    linear:       f(t) = initial + (1 - initial) * t
+    exponential:  f(t) = initial ** (1 - t)            # geometric, needs initial > 0
+    cosine:       f(t) = initial + (1 - initial) * (1 - cos(pi * t)) / 2
+    step >= warmup_steps:  rate = base(step)           # exactly, not base * f(1)
+    ```
+
+    `step` is the optimizer's `iterations`: the number of updates applied
+    before this one, so the first update uses `initial * base(0)`. Under a
+    loss-scale optimizer a skipped (overflowed) step does not advance
+    `iterations`, hence does not advance the warm-up either. Everything is
+    computed from the step tensor inside the graph, so the rate is exact under
+    `jit_compile=True` and `steps_per_execution > 1`.
+
+    Args:
+        base: the rate after warm-up: a float >= 0 or a
+            `keras.optimizers.schedules.LearningRateSchedule`, evaluated at
+            the global step (a decay keeps running during warm-up).
+        warmup_steps: how many steps the warm-up lasts, an int >= 0 (0: none).
+        initial: the fraction of `base(step)` the warm-up starts from, in
+            [0, 1]; in (0, 1] for `shape="exponential"`.
+        shape: `"linear"`, `"exponential"` or `"cosine"`.
+
+    Returns (when called with a step):
+        The learning rate, a float32 scalar tensor.
+
+    Example:
+
+    >>> decay = keras.optimizers.schedules.CosineDecay(1e-3, decay_steps=10_000)
+    >>> lr = kmix.schedules.Warmup(decay, warmup_steps=500, initial=0.01)
+    >>> float(lr(0)), float(lr(250)), float(lr(500)) == float(decay(500))
+    (1e-05, 0.000504..., True)
+    >>> opt = kmix.wrap(keras.optimizers.AdamW(learning_rate=lr))
+    """
+
+    def __init__(self, base, warmup_steps, initial=0.0, shape="linear"):
+        self.base = check_base(base)
+        self.warmup_steps = _check_warmup_steps(warmup_steps)
+        self.initial = _check_initial(initial, shape)
+        self.shape = shape
+
+    def __call__(self, step):
+        """The learning rate at `step` (an int or an integer scalar tensor)."""
+        if isinstance(self.base, keras.optimizers.schedules.LearningRateSchedule):
+            base = ops.convert_to_tensor(self.base(step))
+        else:
+            base = ops.convert_to_tensor(self.base, "float32")
+        if self.warmup_steps == 0:
+            return base
+        dtype = base.dtype
+        step = ops.cast(step, dtype)
+        t = ops.minimum(step / ops.cast(self.warmup_steps, dtype), 1.0)
+        initial = ops.cast(self.initial, dtype)
+        if self.shape == "linear":
+            factor = initial + (1.0 - initial) * t
+        elif self.shape == "exponential":
+            factor = ops.power(initial, 1.0 - t)
+        else:
+            factor = initial + (1.0 - initial) * 0.5 * (1.0 - ops.cos(math.pi * t))
+        return ops.where(step >= self.warmup_steps, base, base * factor)
+
+    def get_config(self):
+        """Every constructor argument; a schedule `base` is serialized with it."""
+        base = self.base
+        if isinstance(base, keras.optimizers.schedules.LearningRateSchedule):
+            base = keras.saving.serialize_keras_object(base)
+        return {
+            "base": base,
+            "warmup_steps": self.warmup_steps,
+            "initial": self.initial,
+            "shape": self.shape,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        """Re-creates the schedule, deserializing a nested `base` schedule."""
+        config = dict(config)
+        if isinstance(config["base"], dict):
+            config["base"] = keras.saving.deserialize_keras_object(config["base"])
+        return cls(**config)
+
+    def __repr__(self):
+        return (
+            f"Warmup(base={self.base!r}, warmup_steps={self.warmup_steps}, "
+            f"initial={self.initial}, shape={self.shape!r})"
+        )
+
+
+def check_base(base, name="base"):
+    """Returns `base` as a float >= 0, or the schedule it is; raises naming `name`."""
+    if isinstance(base, keras.optimizers.schedules.LearningRateSchedule):
+        return base
+    if isinstance(base, bool) or not isinstance(base, numbers.Real):
+        raise TypeError(
+            f"`{name}` must be a float >= 0 or a keras.optimizers.schedules."
+            f"LearningRateSchedule. Received: {name}={base!r} (of type {type(base).__name__})."
+        )
+    value = float(base)
+    if not (math.isfinite(value) and value >= 0.0):
+        raise ValueError(f"`{name}` must be a finite float >= 0. Received: {name}={base!r}")
+    return value
+
+
+def _check_warmup_steps(warmup_steps):
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, numbers.Integral):
+        raise TypeError(
+            f"`warmup_steps` must be an int >= 0. Received: warmup_steps={warmup_steps!r} "
+            f"(of type {type(warmup_steps).__name__})."
+        )
+    if warmup_steps < 0:
+        raise ValueError(f"`warmup_steps` must be an int >= 0. Received: warmup_steps={warmup_steps!r}")
+    return int(warmup_steps)
+
+
+def _check_initial(initial, shape):
+    if shape not in SHAPES:
+        raise ValueError(
+            f"`shape` must be one of {', '.join(repr(s) for s in SHAPES)}. Received: shape={shape!r}"
+        )
+    if isinstance(initial, bool) or not isinstance(initial, numbers.Real):
+        raise TypeError(
+            f"`initial` must be a float in [0, 1]. Received: initial={initial!r} "
+            f"(of type {type(initial).__name__})."
+        )
+    value = float(initial)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(
+            f"`initial` is a fraction of the base rate and must be in [0, 1]. "
+            f"Received: initial={initial!r}"
+        )
+    if shape == "exponential" and value == 0.0:
+        raise ValueError(
+            "`shape='exponential'` rises geometrically from `initial` and needs initial > 0. "
+            "Received: initial=0.0. Pass e.g. initial=0.01, or use shape='linear'."
+        )
+    return value
