@@ -1,1 +1,14 @@
-"""kmix.layers (filled in by its issue)."""
+"""kmix.layers: drop-in Keras layers that keep the fragile ops in float32.
+
+    probs = kmix.layers.MaskedSoftmax()(scores, mask=padding_mask)
+    attention = kmix.layers.MultiHeadAttention(num_heads=4, key_dim=32)
+"""
+
+from kmix.layers.multi_head_attention import MultiHeadAttention
+from kmix.layers.softmax import MaskedSoftmax, Softmax
+
+__all__ = [
+    "MaskedSoftmax",
+    "MultiHeadAttention",
+    "Softmax",
+]

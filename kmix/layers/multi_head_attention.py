@@ -1,0 +1,196 @@
+"""`keras.layers.MultiHeadAttention` whose attention softmax is always float32 and masked.
+
+Keras computes attention on one of two paths: without dropout and without
+`return_attention_scores` it calls the fused `keras.ops.dot_product_attention`
+(which fills masked scores with a large negative, so a fully masked row comes
+out uniform over padding); otherwise it runs einsum, its `Softmax` layer in the
+compute dtype, dropout and einsum. This subclass replaces both with the
+explicit path around `kmix.ops.masked_softmax`, through the protected
+`_compute_attention` / `_masked_softmax` hooks Keras documents for overriding.
+"""
+
+import keras
+from keras import ops
+
+from kmix.ops.softmax import _masked_softmax, check_broadcastable
+
+
+@keras.saving.register_keras_serializable(package="kmix")
+class MultiHeadAttention(keras.layers.MultiHeadAttention):
+    """Drop-in `keras.layers.MultiHeadAttention` with a float32 masked softmax.
+
+    Same constructor, weights and call as Keras's layer, plus an optional
+    additive `attention_bias`. The attention probabilities are computed in
+    float32 on every path (and cast back to the compute dtype for the value
+    product); masked positions get exactly 0, a query whose every key is
+    masked attends to nothing (zeros) instead of spreading over padding, and
+    gradients stay finite. TensorFlow has no flash-attention kernel, so
+    `flash_attention` only keeps Keras's argument checks.
+
+    Args:
+        num_heads: number of attention heads.
+        key_dim: size of each head for query and key.
+        **kwargs: every other argument of `keras.layers.MultiHeadAttention`
+            (`value_dim`, `dropout`, `attention_axes`, `name`, `dtype`, ...).
+
+    Call arguments:
+        query, value, key, query_mask, value_mask, key_mask, attention_mask,
+        return_attention_scores, training, use_causal_mask: as Keras.
+        attention_bias: optional additive float bias, shaped like
+            `attention_mask` (`(B, T, S)`) or with the heads axis
+            (`(B, N, T, S)`), broadcastable: 0 keeps, large negatives (-1e4,
+            -1e9, `finfo.min`, `-inf`) mask. Combines with every mask.
+
+    Returns:
+        The attention output `(B, T, dim)`, and with
+        `return_attention_scores=True` also the probabilities `(B, N, T, S)`.
+
+    Example:
+        >>> keras.config.set_dtype_policy("mixed_float16")
+        >>> mha = kmix.layers.MultiHeadAttention(num_heads=2, key_dim=8)
+        >>> x = np.random.normal(size=(2, 5, 16))
+        >>> bias = np.where(np.arange(5) < 3, 0.0, -1e9)[None, None, :]  # (1, 1, S)
+        >>> mha(x, x, attention_bias=bias).shape
+        TensorShape([2, 5, 16])
+    """
+
+    def call(
+        self,
+        query,
+        value,
+        key=None,
+        query_mask=None,
+        value_mask=None,
+        key_mask=None,
+        attention_mask=None,
+        return_attention_scores=False,
+        training=None,
+        use_causal_mask=False,
+        attention_bias=None,
+    ):
+        if attention_bias is not None:
+            attention_bias = ops.convert_to_tensor(attention_bias)
+            bias_dtype = keras.backend.standardize_dtype(attention_bias.dtype)
+            if not keras.backend.is_float_dtype(bias_dtype):
+                raise TypeError(
+                    f"Received: attention_bias.dtype={bias_dtype}; expected a "
+                    "float dtype (0 keeps, large negatives mask). Pass a boolean "
+                    "mask as `attention_mask`."
+                )
+        # Keras's `call` hands `_compute_attention` a fixed argument list, so
+        # the bias travels beside it for the length of this call. Set with
+        # object.__setattr__: a tensor is not layer state to be tracked.
+        object.__setattr__(self, "_kmix_attention_bias", attention_bias)
+        try:
+            return super().call(
+                query,
+                value,
+                key=key,
+                query_mask=query_mask,
+                value_mask=value_mask,
+                key_mask=key_mask,
+                attention_mask=attention_mask,
+                return_attention_scores=return_attention_scores,
+                training=training,
+                use_causal_mask=use_causal_mask,
+            )
+        finally:
+            object.__setattr__(self, "_kmix_attention_bias", None)
+
+    def _compute_attention(
+        self,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        training=None,
+        return_attention_scores=False,
+        use_causal_mask=False,
+    ):
+        if self._flash_attention and return_attention_scores:
+            raise ValueError(
+                "Returning attention scores is not supported when flash "
+                "attention is enabled. Please disable flash attention to access"
+                " attention scores."
+            )
+        # Keras's `call` folds a causal mask into `attention_mask` for a
+        # subclass that overrides this method; honour the flag if it comes.
+        if use_causal_mask:
+            causal_mask = self._compute_causal_mask(query, value)
+            attention_mask = (
+                causal_mask
+                if attention_mask is None
+                else ops.logical_and(ops.cast(attention_mask, "bool"), causal_mask)
+            )
+        query = ops.multiply(query, ops.cast(self._inverse_sqrt_key_dim, query.dtype))
+        attention_scores = ops.einsum(self._dot_product_equation, key, query)
+        attention_scores = self._masked_softmax(attention_scores, attention_mask)
+        if self._dropout > 0.0:
+            final_attn_scores = self._dropout_layer(attention_scores, training=training)
+        else:
+            final_attn_scores = attention_scores
+        attention_output = ops.einsum(self._combine_equation, final_attn_scores, value)
+        return attention_output, attention_scores
+
+    def _masked_softmax(self, attention_scores, attention_mask=None):
+        rank = len(attention_scores.shape)
+        num_axes = len(self._attention_axes)
+        # Masks and biases come as (B, T, S); the heads axis goes in before
+        # the query axes, as Keras does for `attention_mask`.
+        expansion_axis = -num_axes * 2 - 1
+        bias = getattr(self, "_kmix_attention_bias", None)
+        if attention_mask is not None:
+            attention_mask = _expand_to_rank(attention_mask, rank, expansion_axis)
+        if bias is not None:
+            shown_shape = bias.shape
+            bias = _expand_to_rank(bias, rank, expansion_axis)
+            check_broadcastable(
+                bias.shape, attention_scores.shape, "attention_bias",
+                "attention_scores", shown_shape=shown_shape,
+            )
+        return _masked_softmax(
+            attention_scores,
+            attention_mask,
+            bias,
+            tuple(range(rank - num_axes, rank)),
+            attention_scores.dtype,
+            log=False,
+            names={"logits": "attention_scores", "mask": "attention_mask", "bias": "attention_bias"},
+        )
+
+    def compute_output_spec(
+        self,
+        query,
+        value,
+        key=None,
+        query_mask=None,
+        value_mask=None,
+        key_mask=None,
+        attention_mask=None,
+        return_attention_scores=False,
+        training=None,
+        use_causal_mask=False,
+        attention_bias=None,
+    ):
+        return super().compute_output_spec(
+            query,
+            value,
+            key=key,
+            query_mask=query_mask,
+            value_mask=value_mask,
+            key_mask=key_mask,
+            attention_mask=attention_mask,
+            return_attention_scores=return_attention_scores,
+            training=training,
+            use_causal_mask=use_causal_mask,
+        )
+
+
+def _expand_to_rank(tensor, rank, axis):
+    """Inserts size-1 axes at `axis` (Keras's heads axis) until `tensor` has `rank`.
+
+    A tensor too short for `axis` gets them in front instead, as broadcasting does.
+    """
+    for _ in range(rank - len(tensor.shape)):
+        tensor = ops.expand_dims(tensor, axis=axis if len(tensor.shape) + 1 >= -axis else 0)
+    return tensor

@@ -1,0 +1,237 @@
+"""Softmax and log-softmax that compute in float32 and select masked positions out.
+
+A softmax in float16 fails two ways. A hand-made additive mask such as
+`(1 - mask) * -1e9` is `-inf` in float16, and `0 * -inf` is NaN. And a float16
+softmax over a long axis sums thousands of float16 values, an error of about
+5e-4 against float64 where float32 gives about 2e-7.
+
+The functions here cast the logits to float32 (float64 stays float64), never
+add or multiply an infinity: a masked position is replaced with `where`, both
+before the `exp` and after it (the "double where"), so its value and its
+gradient are exactly zero, and a row with no position left gives zeros and zero
+gradients rather than NaN or a uniform spread over padding.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+# An additive bias at or below this value masks its position, as `-inf` does.
+# exp(-1e4) is 0 in float32 and float64, so for a row that keeps any position
+# masking such an entry changes nothing; it only decides what a row whose
+# every entry is this negative gives: zeros, not a uniform spread.
+BIAS_MASK_THRESHOLD = -1e4
+
+
+def masked_softmax(logits, mask=None, bias=None, axis=-1, dtype=None):
+    """Softmax in float32 that zeroes masked positions and never gives NaN.
+
+    A position is masked when `mask` is False (or <= 0.5), when `bias` is at or
+    below -1e4 (`-1e9`, `finfo.min` and `-inf` included, whatever the bias's
+    dtype), or when its logit is `-inf`. Masked positions give exactly 0 and a
+    zero gradient; a row with every position masked gives zeros.
+
+    Args:
+        logits: a float tensor (float16, bfloat16, float32 or float64).
+        mask: optional; bool, or numeric where a value > 0.5 keeps the
+            position. Broadcastable to `logits` without adding dimensions.
+        bias: optional additive bias of any float dtype, broadcastable to
+            `logits`: 0 keeps, large negatives (-1e4, -1e9, `finfo.min`,
+            `-inf`) mask.
+        axis: an int or a tuple of ints: the axes normalised over.
+        dtype: the output dtype; `logits.dtype` by default.
+
+    Returns:
+        A tensor of `logits`'s shape and `dtype` (or `logits.dtype`), summing
+        to 1 over `axis` on every row that keeps a position, 0 elsewhere.
+
+    Example:
+        >>> x = np.array([[1.0, 2.0, 3.0]], "float16")
+        >>> kmix.ops.masked_softmax(x, mask=[[True, True, False]], dtype="float32")
+        <tf.Tensor: shape=(1, 3), dtype=float32,
+                    numpy=array([[0.26894143, 0.7310586 , 0.        ]], dtype=float32)>
+    """
+    return _masked_softmax(logits, mask, bias, axis, dtype, log=False)
+
+
+def masked_log_softmax(logits, mask=None, bias=None, axis=-1, dtype=None):
+    """Log-softmax in float32 for losses over masked positions; never NaN.
+
+    Same arguments and masking rule as `masked_softmax`. A masked position
+    holds 0, not `-inf`, so `labels * log_probs` stays finite there (use the
+    mask, not the value, to tell masked positions apart). Its gradient is 0.
+
+    Args:
+        logits: a float tensor (float16, bfloat16, float32 or float64).
+        mask: optional; bool, or numeric where a value > 0.5 keeps the
+            position. Broadcastable to `logits` without adding dimensions.
+        bias: optional additive bias of any float dtype, broadcastable to
+            `logits`: 0 keeps, large negatives (-1e4, -1e9, `finfo.min`,
+            `-inf`) mask.
+        axis: an int or a tuple of ints: the axes normalised over.
+        dtype: the output dtype; `logits.dtype` by default.
+
+    Returns:
+        A tensor of `logits`'s shape and dtype: `log(softmax)` at kept
+        positions, 0 at masked ones.
+
+    Example:
+        >>> x = np.array([[0.0, 0.0, 5.0]], "float16")
+        >>> kmix.ops.masked_log_softmax(x, bias=[[0.0, 0.0, -1e9]], dtype="float32")
+        <tf.Tensor: shape=(1, 3), dtype=float32,
+                    numpy=array([[-0.6931472, -0.6931472,  0.       ]], dtype=float32)>
+    """
+    return _masked_softmax(logits, mask, bias, axis, dtype, log=True)
+
+
+def _masked_softmax(logits, mask, bias, axis, dtype, log, names=None):
+    """The shared body; `names` renames the arguments in error messages."""
+    names = {"logits": "logits", "mask": "mask", "bias": "bias", **(names or {})}
+    for name, value in (("logits", logits), ("mask", mask), ("bias", bias)):
+        if keras.backend.is_keras_tensor(value):
+            raise TypeError(
+                f"`kmix.ops.masked_softmax` takes concrete tensors; "
+                f"`{names[name]}` is a symbolic KerasTensor. In a functional "
+                "model use the layer `kmix.layers.MaskedSoftmax` instead."
+            )
+    logits = tf.convert_to_tensor(logits)
+    out_dtype = _output_dtype(logits.dtype, dtype)
+    compute_dtype = tf.float64 if tf.float64 in (logits.dtype, out_dtype) else tf.float32
+    rank = logits.shape.rank
+    if rank is None:
+        raise ValueError(
+            f"`{names['logits']}` must have a known rank. "
+            f"Received: {names['logits']}.shape={logits.shape}."
+        )
+    axes = normalize_axis(axis, rank, names["logits"])
+    x = tf.cast(logits, compute_dtype)
+
+    keep = None
+    if mask is not None:
+        mask = tf.convert_to_tensor(mask)
+        check_broadcastable(mask.shape, logits.shape, names["mask"], names["logits"])
+        if mask.dtype != tf.bool:
+            if not (mask.dtype.is_floating or mask.dtype.is_integer):
+                raise TypeError(
+                    f"Received: {names['mask']}.dtype={mask.dtype.name}; "
+                    "expected bool, or an integer or float dtype where "
+                    "values > 0.5 keep a position."
+                )
+            mask = tf.greater(mask, tf.cast(0.5, mask.dtype))
+        keep = mask
+    if bias is not None:
+        bias = tf.convert_to_tensor(bias)
+        if not (bias.dtype.is_floating or bias.dtype.is_integer):
+            hint = f" Pass a boolean mask as `{names['mask']}`." if bias.dtype == tf.bool else ""
+            raise TypeError(
+                f"Received: {names['bias']}.dtype={bias.dtype.name}; "
+                f"expected a float dtype (0 keeps, large negatives mask).{hint}"
+            )
+        check_broadcastable(bias.shape, logits.shape, names["bias"], names["logits"])
+        bias = tf.cast(bias, compute_dtype)
+        # `not (bias <= t)` rather than `bias > t`: a NaN bias stays NaN in the
+        # result instead of silently masking the position.
+        keep_bias = tf.logical_not(bias <= BIAS_MASK_THRESHOLD)
+        x = x + tf.where(keep_bias, bias, tf.zeros([], compute_dtype))
+        keep = keep_bias if keep is None else tf.logical_and(keep, keep_bias)
+    if log:
+        # A -inf logit is a mask too: log-softmax gives 0 there, not -inf.
+        finite_below = tf.not_equal(x, tf.constant(-np.inf, compute_dtype))
+        keep = finite_below if keep is None else tf.logical_and(keep, finite_below)
+
+    zero = tf.zeros([], compute_dtype)
+    if keep is None:
+        row_max = tf.reduce_max(x, axis=axes, keepdims=True)
+    else:
+        lowest = tf.constant(np.finfo(compute_dtype.as_numpy_dtype).min, compute_dtype)
+        row_max = tf.reduce_max(tf.where(keep, x, lowest), axis=axes, keepdims=True)
+    # A row of -inf (or with nothing kept) has no finite max: shift by 0.
+    row_max = tf.stop_gradient(tf.where(tf.math.is_finite(row_max), row_max, zero))
+    shifted = x - row_max
+    if keep is not None:
+        shifted = tf.where(keep, shifted, zero)  # first where: exp stays finite
+    exps = tf.exp(shifted)
+    if keep is not None:
+        exps = tf.where(keep, exps, zero)  # second where: masked give exactly 0
+    total = tf.reduce_sum(exps, axis=axes, keepdims=True)
+    if log:
+        # `total` is >= 1 on a row that keeps a finite logit (its max gives
+        # exp(0)); a row with nothing kept has total 0 and is zeroed by `keep`.
+        safe_total = tf.where(total > zero, total, tf.ones([], compute_dtype))
+        result = tf.where(keep, shifted - tf.math.log(safe_total), zero)
+    else:
+        result = tf.math.divide_no_nan(exps, total)
+    return tf.cast(result, out_dtype)
+
+
+def _output_dtype(logits_dtype, dtype):
+    if dtype is None:
+        return logits_dtype if logits_dtype.is_floating else tf.as_dtype(keras.config.floatx())
+    try:
+        out = tf.as_dtype(keras.backend.standardize_dtype(dtype))
+    except (TypeError, ValueError):
+        out = None
+    if out is None or not out.is_floating:
+        raise ValueError(
+            f"Received: dtype={dtype!r}; expected None or a float dtype "
+            "('float16', 'bfloat16', 'float32' or 'float64')."
+        )
+    return out
+
+
+def normalize_axis(axis, rank, logits_name="logits"):
+    """Returns `axis` as a sorted tuple of non-negative ints, or raises.
+
+    Args:
+        axis: an int, or a tuple or list of ints.
+        rank: the rank of the tensor the axes index.
+        logits_name: the argument's name, for the error message.
+
+    Returns:
+        A sorted tuple of distinct ints in `[0, rank)`.
+    """
+    items = list(axis) if isinstance(axis, (tuple, list)) else [axis]
+    accepted = (
+        f"expected an int or a non-empty tuple of distinct ints in "
+        f"[{-rank}, {rank}) for {logits_name} of rank {rank}."
+    )
+    if not items or not all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in items):
+        raise ValueError(f"Received: axis={axis!r}; {accepted}")
+    if not all(-rank <= a < rank for a in items):
+        raise ValueError(f"Received: axis={axis!r}; {accepted}")
+    axes = sorted(int(a) % rank for a in items)
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"Received: axis={axis!r}; {accepted}")
+    return tuple(axes)
+
+
+def check_broadcastable(shape, target_shape, name, target_name, shown_shape=None):
+    """Raises a ValueError unless `shape` broadcasts to `target_shape` unchanged.
+
+    Each dimension, aligned from the right, must be 1 or equal to the target's,
+    and `shape` must not have more dimensions (as `keras.layers.Softmax`).
+    Unknown dimensions are not checked.
+
+    Args:
+        shape: the shape to check (a `tf.TensorShape` or tuple).
+        target_shape: the shape it must broadcast to.
+        name: the argument's name, for the message.
+        target_name: the target argument's name, for the message.
+        shown_shape: the shape to print, when `shape` was reshaped first.
+    """
+    shape = tf.TensorShape(shape)
+    target_shape = tf.TensorShape(target_shape)
+    if shape.rank is None or target_shape.rank is None:
+        return
+    dims, target_dims = shape.as_list(), target_shape.as_list()
+    fits = len(dims) <= len(target_dims) and all(
+        d is None or t is None or d in (1, t) for d, t in zip(dims[::-1], target_dims[::-1])
+    )
+    if not fits:
+        shown = tuple(tf.TensorShape(shown_shape if shown_shape is not None else shape).as_list())
+        raise ValueError(
+            f"The `{name}` must be broadcastable to `{target_name}`: each of its "
+            f"dimensions 1 or equal to the matching one, and it must not have "
+            f"more dimensions. Received: {name}.shape={shown}; expected a shape "
+            f"broadcastable to {tuple(target_dims)}."
+        )
