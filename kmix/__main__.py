@@ -1,0 +1,46 @@
+"""`python -m kmix demo | bench | doctor`: kmix's command line."""
+
+import argparse
+import importlib
+import os
+import sys
+
+BENCHES = {
+    "overhead": "kmix.benchmarks.overhead",
+    "softmax": "kmix.benchmarks.softmax",
+    "train": "kmix.benchmarks.train",
+}
+
+
+def main(argv=None):
+    """Parses `argv` and runs the chosen command; returns its exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    parser = argparse.ArgumentParser(
+        prog="python -m kmix",
+        description="kmix: safe and fast mixed-precision training for Keras 3.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("demo", help="train the classic float16 NaN failure three ways", add_help=False)
+    bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES))
+    bench.add_argument("name", choices=sorted(BENCHES))
+    sub.add_parser("doctor", help="versions, devices and the recommended policy", add_help=False)
+    known, rest = parser.parse_known_args(argv)
+    if known.command == "bench":
+        module = BENCHES[known.name]
+    elif known.command == "demo":
+        module = "kmix.demo"
+    else:
+        module = "kmix.doctor"
+    try:
+        entry = importlib.import_module(module).main
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        parser.error(f"'{' '.join(argv)}' is not available in this version of kmix")
+    entry(rest)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

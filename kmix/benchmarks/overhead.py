@@ -1,0 +1,77 @@
+"""`python -m kmix bench overhead`: step time of kmix against Keras's LossScaleOptimizer.
+
+A compiled model with many small variables makes the per-variable work of a
+loss-scale optimizer (finite checks, unscaling, counters) as visible as it
+can be. Both optimizers train the same model on the same data; runs alternate
+(A, B, A, B, ...) so that drift on a shared machine hits both, and the
+reported ratio is the median of the per-round ratios.
+"""
+
+import argparse
+
+import numpy as np
+
+from kmix.benchmarks.common import format_table, median, progress, time_call
+
+
+def build_and_compile(kind, layers, width, jit_compile, seed=0):
+    """A `layers`-deep stack of `Dense(width)` under mixed_float16, compiled with `kind`'s optimizer."""
+    import keras
+
+    import kmix
+
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential(
+        [keras.Input((width,))]
+        + [keras.layers.Dense(width, activation="relu") for _ in range(layers)]
+        + [keras.layers.Dense(1, dtype="float32")]
+    )
+    inner = keras.optimizers.Adam(1e-4)
+    opt = keras.optimizers.LossScaleOptimizer(inner) if kind == "keras" else kmix.wrap(inner)
+    model.compile(optimizer=opt, loss="mse", jit_compile=jit_compile)
+    return model
+
+
+def measure(layers=64, width=16, batch=32, steps=50, rounds=5, jit_compile=False):
+    """Returns `{kind: [seconds per step, one per round]}` for "keras" and "kmix"."""
+    import keras
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch * steps, width)).astype("float32")
+    y = rng.normal(size=(batch * steps, 1)).astype("float32")
+    models = {kind: build_and_compile(kind, layers, width, jit_compile) for kind in ("keras", "kmix")}
+    per_step = {kind: [] for kind in models}
+    for r in range(rounds):
+        for kind, model in models.items():
+            seconds = time_call(
+                lambda: model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0),
+                repeats=1,
+                warmup=1 if r == 0 else 0,
+            )[0]
+            per_step[kind].append(seconds / steps)
+        progress(f"round {r + 1}/{rounds}: keras {per_step['keras'][-1] * 1e3:.3f} ms/step, "
+                 f"kmix {per_step['kmix'][-1] * 1e3:.3f} ms/step")
+    keras.config.set_dtype_policy("float32")
+    return per_step
+
+
+def main(argv=None):
+    """Prints the kmix / Keras step-time ratio table."""
+    parser = argparse.ArgumentParser(prog="python -m kmix bench overhead", description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=64, help="Dense layers (2 variables each); default 64")
+    parser.add_argument("--width", type=int, default=16, help="units per layer; default 16")
+    parser.add_argument("--batch", type=int, default=32, help="batch size; default 32")
+    parser.add_argument("--steps", type=int, default=50, help="steps per timed round; default 50")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; default 5")
+    parser.add_argument("--no-jit", action="store_true", help="only tf.function, skip the XLA-compiled run")
+    args = parser.parse_args(argv)
+    rows = []
+    for jit in ([False] if args.no_jit else [False, True]):
+        label = "XLA" if jit else "tf.function"
+        progress(f"{label}: {args.layers} layers x {args.width} units, {2 * args.layers + 2} variables")
+        per_step = measure(args.layers, args.width, args.batch, args.steps, args.rounds, jit)
+        ratios = [b / a for a, b in zip(per_step["keras"], per_step["kmix"])]
+        rows.append([label, median(per_step["keras"]) * 1e3, median(per_step["kmix"]) * 1e3, median(ratios)])
+    print(format_table(["compiled", "keras ms/step", "kmix ms/step", "kmix / keras"], rows))
+    return rows
