@@ -58,7 +58,7 @@ def assert_model_round_trip(model, x, atol=0.0):
         np.testing.assert_allclose(
             np.asarray(g, np.float64), np.asarray(e, np.float64), atol=atol, rtol=0
         )
-    if model.optimizer is not None and loaded.optimizer is not None:
+    if getattr(model, "optimizer", None) is not None and getattr(loaded, "optimizer", None) is not None:
         assert type(loaded.optimizer) is type(model.optimizer)
         assert loaded.optimizer.get_config() == model.optimizer.get_config()
     return loaded

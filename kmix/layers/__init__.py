@@ -6,9 +6,11 @@
 
 from kmix.layers.multi_head_attention import MultiHeadAttention
 from kmix.layers.softmax import MaskedSoftmax, Softmax
+from kmix.layers.with_policy import WithPolicy
 
 __all__ = [
     "MaskedSoftmax",
     "MultiHeadAttention",
     "Softmax",
+    "WithPolicy",
 ]

@@ -1,0 +1,159 @@
+"""`kmix.layers.WithPolicy`: run one layer, block or sub-model under another policy."""
+
+import inspect
+
+import keras
+
+from kmix.policy.policy import Policy
+
+
+@keras.saving.register_keras_serializable(package="kmix")
+class WithPolicy(keras.layers.Layer):
+    """Runs `layer` under `policy` inside a model that uses another policy.
+
+    Floating inputs are cast to `policy.compute_dtype`, the wrapped layer (and
+    every layer inside it) computes under `policy.to_keras()`, so its
+    variables take `policy.params_dtype`, and floating outputs are cast to
+    `policy.output_dtype`. Integer and boolean inputs (token ids, masks) pass
+    through unchanged.
+
+    The wrapped layer is changed in place: its dtype policy (and that of its
+    sub-layers) becomes `policy.to_keras()`. A layer that is already built
+    keeps its variables, so it must have been built with variables of
+    `policy.params_dtype`; otherwise this raises.
+
+    Args:
+        layer: a `keras.layers.Layer` (a single layer, a block, or a model).
+        policy: anything `kmix.Policy` accepts (`"float32"`, `"O1"`, ...).
+        **kwargs: `keras.layers.Layer` arguments (`name`, `trainable`).
+            `dtype` is not accepted: it comes from `policy`.
+
+    Example:
+
+    >>> kmix.set_policy("mixed_float16")
+    >>> x = keras.Input((16,))
+    >>> h = keras.layers.Dense(32)(x)                                      # float16
+    >>> h = kmix.layers.WithPolicy(keras.layers.LayerNormalization(), "float32")(h)
+    >>> h.dtype                                                            # float32
+    'float32'
+    """
+
+    def __init__(self, layer, policy, **kwargs):
+        if "dtype" in kwargs:
+            raise ValueError(
+                "WithPolicy takes its dtype from `policy`; do not pass `dtype`. "
+                f"Received: dtype={kwargs['dtype']!r}, policy={policy!r}."
+            )
+        if isinstance(layer, dict):
+            layer = keras.saving.deserialize_keras_object(layer)
+        if not isinstance(layer, keras.layers.Layer):
+            raise TypeError(
+                "`layer` must be a keras.layers.Layer (a layer, a block or a model). "
+                f"Received: layer={layer!r} (of type {type(layer).__name__})."
+            )
+        if isinstance(policy, dict):
+            policy = Policy.from_config(policy)
+        policy = Policy(policy)
+        super().__init__(dtype=policy.to_keras(), **kwargs)
+        _apply_policy(layer, policy)
+        self.layer = layer
+        self._policy = policy
+        self.supports_masking = layer.supports_masking
+        self._call_parameters = _call_parameters(layer)
+
+    @property
+    def policy(self):
+        """The `kmix.Policy` the wrapped layer runs under."""
+        return self._policy
+
+    def build(self, input_shape=None):
+        """Nothing to create: the wrapped layer builds itself on its first call.
+
+        A wrapped layer can take several inputs (`MultiHeadAttention`), so it
+        is built by calling it, not from one shape. When loading, the nested
+        layer is built from its own build config before the wrapper exists.
+        """
+
+    def call(self, inputs, *args, training=None, mask=None, **kwargs):
+        """Calls the wrapped layer on `inputs` cast to the compute dtype; casts its outputs."""
+        policy = self._policy
+        inputs = policy.cast_to_compute(inputs)
+        args = policy.cast_to_compute(args)
+        kwargs = policy.cast_to_compute(kwargs)
+        if self._call_parameters is None or "training" in self._call_parameters:
+            kwargs["training"] = training
+        if mask is not None and (self._call_parameters is None or "mask" in self._call_parameters):
+            kwargs["mask"] = mask
+        outputs = self.layer(inputs, *args, **kwargs)
+        return policy.cast_to_output(outputs)
+
+    def compute_mask(self, inputs, mask=None):
+        """The wrapped layer's mask."""
+        return self.layer.compute_mask(inputs, mask)
+
+    def get_config(self):
+        """The wrapped layer, serialized, and the policy's config."""
+        config = super().get_config()
+        config.pop("dtype", None)
+        config.update(
+            layer=keras.saving.serialize_keras_object(self.layer),
+            policy=self._policy.get_config(),
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        """Re-creates the wrapper; the nested layer is deserialized (and built) first."""
+        config = dict(config)
+        layer = keras.saving.deserialize_keras_object(config.pop("layer"))
+        policy = config.pop("policy")
+        return cls(layer, Policy.from_config(policy) if isinstance(policy, dict) else policy, **config)
+
+
+def _call_parameters(layer):
+    """The names `layer.call` accepts, or `None` when it takes `**kwargs`."""
+    try:
+        params = inspect.signature(layer.call).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params}
+
+
+def _sublayers(layer):
+    """`layer` and every layer reachable through its attributes, each once."""
+    found, stack, seen = [], [layer], set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, keras.layers.Layer):
+            found.append(obj)
+            stack.extend(vars(obj).values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+    return found
+
+
+def _apply_policy(layer, policy):
+    """Gives every layer in `layer` the Keras policy; checks built ones first."""
+    keras_policy = policy.to_keras()
+    layers = [sub for sub in _sublayers(layer) if not isinstance(sub, keras.layers.InputLayer)]
+    for sub in layers:
+        if sub.built and sub.weights and sub.dtype_policy.variable_dtype != policy.params_dtype:
+            floating = [v for v in sub.weights if keras.backend.is_float_dtype(v.dtype)]
+            if any(keras.backend.standardize_dtype(v.dtype) != policy.params_dtype for v in floating):
+                raise ValueError(
+                    f"Layer {sub.name!r} (in {layer.name!r}) is already built with "
+                    f"{sub.dtype_policy.variable_dtype} variables, but policy {policy.spec!r} "
+                    f"keeps parameters in {policy.params_dtype}. Received: layer={layer.name!r}, "
+                    f"policy={policy!r}. Wrap the layer before it is built (before its first "
+                    f"call), or pass a policy with params={sub.dtype_policy.variable_dtype}."
+                )
+    for sub in layers:
+        if sub.dtype_policy != keras_policy:
+            sub.dtype_policy = keras_policy

@@ -1,0 +1,233 @@
+"""`kmix.memory_report`: what training a model costs in memory under each policy.
+
+Per trainable parameter, with `s` optimizer slots per parameter:
+
+| part            | bytes                                                        |
+|-----------------|--------------------------------------------------------------|
+| parameters      | size(params dtype), non-trainable variables included         |
+| master weights  | 4 when the policy keeps float32 copies of half parameters    |
+| gradients       | size(params dtype)                                           |
+| optimizer slots | s x 4 with master weights (the slots live on the copies), else s x size(params dtype) |
+
+So 8e9 parameters in bfloat16 with float32 masters and Adam (s = 2) take
+16 + 32 + 16 + 64 = 128 GB before activations.
+"""
+
+import numbers
+
+import keras
+import numpy as np
+
+from kmix.policy.policy import Policy
+
+_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_PARTS = ("params", "master_weights", "grads", "optimizer_slots", "activations")
+_OPT_LEVELS = ("O0", "O1", "O2", "O3")
+
+
+class MemoryReport(dict):
+    """`{policy name: {part: bytes}}`; `str()` gives the table in decimal units (1 GB = 1e9 B).
+
+    Each inner dict has `params`, `master_weights`, `grads`, `optimizer_slots`,
+    `activations` (`None` when unknown) and `total` (the known parts).
+
+    Attributes:
+        num_params: trainable parameters.
+        num_non_trainable: non-trainable parameters (batch-norm statistics).
+        slots_per_param: optimizer variables per trainable parameter.
+        batch_size: the batch size of the activation estimate, or `None`.
+    """
+
+    def __init__(self, rows, num_params, num_non_trainable, slots_per_param, batch_size):
+        super().__init__(rows)
+        self.num_params = num_params
+        self.num_non_trainable = num_non_trainable
+        self.slots_per_param = slots_per_param
+        self.batch_size = batch_size
+
+    def __str__(self):
+        header = ["policy", "params", "master weights", "grads", "optimizer slots", "activations", "total"]
+        rows = [header] + [
+            [name] + [_format_bytes(row[part]) for part in _PARTS + ("total",)] for name, row in self.items()
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines = ["  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths))) for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        batch = f", batch size {self.batch_size}" if self.batch_size is not None else ""
+        lines.append(
+            f"{self.num_params:,.0f} trainable parameters, {self.slots_per_param:g} optimizer "
+            f"slot(s) per parameter{batch}; 1 GB = 1e9 bytes."
+        )
+        return "\n".join(lines)
+
+
+def memory_report(model, policy=_OPT_LEVELS, optimizer="adam", batch_size=None, verbose=False):
+    """Bytes for parameters, master weights, gradients, optimizer slots and activations.
+
+    Args:
+        model: a built `keras.Model` or layer, or a number of trainable
+            parameters (so that `8e9` can be costed without allocating it).
+        policy: one policy spec (anything `kmix.Policy` accepts) or a list of
+            them; by default `"O0"`-`"O3"`, one row each.
+        optimizer: a Keras optimizer (instance, name or config; a loss-scale
+            optimizer counts as its inner optimizer), an int number of slots
+            per parameter, or `None` for no optimizer. Slots are counted by
+            building a copy of the optimizer on a small probe variable:
+            exact for element-wise optimizers (SGD, Adam, AdamW, RMSprop,
+            Lion, ...), an estimate for factored ones (Adafactor).
+        batch_size: the batch size of the activation estimate. The estimate
+            is every layer's output (plus the attention scores and
+            probabilities of `MultiHeadAttention`), stored in the compute
+            dtype; `None` (the default), a parameter count, or an unknown
+            dimension leaves it out.
+        verbose: print the table.
+
+    Returns:
+        A `MemoryReport`: a dict `{policy name: {part: bytes}}` whose `str()`
+        is a table.
+
+    Example:
+
+    >>> report = kmix.memory_report(8e9, kmix.Policy("O2", half="bfloat16"), "adam")
+    >>> report["O2-bfloat16"]["total"] / 1e9
+    128.0
+    >>> print(kmix.memory_report(model, batch_size=32))
+    """
+    policies = [Policy(policy)] if isinstance(policy, (str, Policy)) else [Policy(p) for p in policy]
+    if not policies:
+        raise ValueError(f"`policy` must name at least one policy. Received: policy={policy!r}.")
+    trainable, non_trainable, activation_elements = _count(model, batch_size)
+    slots = _slots_per_param(optimizer)
+    rows = {}
+    for p in policies:
+        param_size = _BYTES[p.params_dtype]
+        masters = p.needs_master_weights and p.params_dtype != "float32"
+        row = {
+            "params": (trainable + non_trainable) * param_size,
+            "master_weights": trainable * 4 if masters else 0,
+            "grads": trainable * param_size,
+            "optimizer_slots": slots * trainable * (4 if masters else param_size),
+            "activations": None
+            if activation_elements is None
+            else activation_elements * _BYTES[p.compute_dtype],
+        }
+        row = {k: (int(round(v)) if v is not None else None) for k, v in row.items()}
+        row["total"] = sum(v for v in row.values() if v is not None)
+        rows[p.name] = row
+    report = MemoryReport(rows, trainable, non_trainable, slots, batch_size)
+    if verbose:
+        print(report)
+    return report
+
+
+def _count(model, batch_size):
+    """`(trainable, non_trainable, activation elements or None)`."""
+    if isinstance(model, numbers.Real) and not isinstance(model, bool):
+        if model < 0:
+            raise ValueError(f"A parameter count must be >= 0. Received: model={model!r}.")
+        return float(model), 0.0, None
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(
+            "`model` must be a keras.Model (or layer) or a number of parameters. "
+            f"Received: model={model!r} (of type {type(model).__name__})."
+        )
+    if not model.built:
+        raise ValueError(
+            f"Model {model.name!r} is not built, so its parameters are not known. Build it "
+            "(call it on data, start it with `keras.Input`, or `model.build(input_shape)`) first."
+        )
+    trainable = sum(int(np.prod(v.shape)) for v in model.trainable_weights)
+    non_trainable = sum(int(np.prod(v.shape)) for v in model.non_trainable_weights)
+    if batch_size is None:
+        return trainable, non_trainable, None
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        raise ValueError(f"`batch_size` must be an int >= 1 or None. Received: batch_size={batch_size!r}.")
+    per_sample = _activations_per_sample(model)
+    return trainable, non_trainable, None if per_sample is None else per_sample * batch_size
+
+
+def _activations_per_sample(model):
+    """Elements per sample of every layer output in `model`'s graph, or `None` if unknown."""
+    if not isinstance(model, keras.Model):
+        return None
+    total = 0
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.InputLayer):
+            continue
+        if isinstance(layer, keras.Model):
+            inner = _activations_per_sample(layer)
+            if inner is None:
+                return None
+            total += inner
+            continue
+        try:
+            outputs = keras.tree.flatten(layer.output)
+        except (AttributeError, ValueError):  # a shared layer has several outputs
+            return None
+        for out in outputs:
+            size = _per_sample(out.shape)
+            if size is None:
+                return None
+            total += size
+        if isinstance(layer, keras.layers.MultiHeadAttention):
+            scores = _attention_scores_per_sample(layer)
+            if scores is None:
+                return None
+            total += scores
+    return total
+
+
+def _attention_scores_per_sample(layer):
+    inputs = layer.input if isinstance(layer.input, (list, tuple)) else [layer.input]
+    query, key = inputs[0], inputs[-1] if len(inputs) > 1 else inputs[0]
+    lengths = [_per_sample(query.shape[:-1]), _per_sample(key.shape[:-1])]
+    if None in lengths:
+        return None
+    return 2 * layer.num_heads * lengths[0] * lengths[1]  # scores and probabilities
+
+
+def _per_sample(shape):
+    dims = tuple(shape)[1:]
+    if any(d is None for d in dims):
+        return None
+    return int(np.prod(dims)) if dims else 1
+
+
+def _slots_per_param(optimizer):
+    if optimizer is None:
+        return 0
+    if isinstance(optimizer, numbers.Real) and not isinstance(optimizer, bool):
+        if optimizer < 0:
+            raise ValueError(f"A slot count must be >= 0. Received: optimizer={optimizer!r}.")
+        return optimizer
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        probe_opt = type(optimizer).from_config(optimizer.get_config())
+    elif isinstance(optimizer, (str, dict)):
+        try:
+            probe_opt = keras.optimizers.get(optimizer)
+        except ValueError as e:
+            raise ValueError(
+                f"`optimizer` is no Keras optimizer. Received: optimizer={optimizer!r}. Expected an "
+                f"optimizer, a name such as 'adam', a config dict, a slot count or None. ({e})"
+            ) from None
+    else:
+        raise TypeError(
+            "`optimizer` must be a Keras optimizer, a name, a config dict, a number of slots per "
+            f"parameter or None. Received: optimizer={optimizer!r} (of type {type(optimizer).__name__})."
+        )
+    size = 4096
+    probe = keras.Variable(np.zeros((64, 64), np.float32), name="memory_report_probe")
+    probe_opt.build([probe])
+    slot_elements = sum(int(np.prod(v.shape)) for v in probe_opt.variables if len(v.shape) > 0)
+    return slot_elements / size
+
+
+def _format_bytes(n):
+    if n is None:
+        return "n/a"
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,84 @@
+"""`set_policy`, `policy_scope` and `active_policy`: kmix's global policy."""
+
+import contextlib
+
+import keras
+
+from kmix.policy import _state
+from kmix.policy.policy import Policy
+
+
+def set_policy(spec, half=None):
+    """Sets Keras's global dtype policy and the policy `kmix.wrap` will follow.
+
+    Layers created afterwards take `policy.to_keras()`; `kmix.wrap(opt)`
+    (with `master_weights="auto"`) keeps float32 master weights when the
+    policy asks for them (O2).
+
+    Args:
+        spec: anything `kmix.Policy` accepts: `"O0"`-`"O3"`, a Keras policy
+            name, a jmp-style string, or a `kmix.Policy`.
+        half: `"float16"` (default) or `"bfloat16"`, for opt levels.
+
+    Returns:
+        The `kmix.Policy` now in force.
+
+    Example:
+
+    >>> kmix.set_policy("O1")
+    >>> keras.config.dtype_policy()
+    <DTypePolicy "mixed_float16">
+    """
+    policy = Policy(spec, half=half)
+    keras_policy = policy.to_keras()
+    keras.config.set_dtype_policy(keras_policy)
+    _state.set(policy, keras_policy.name)
+    return policy
+
+
+@contextlib.contextmanager
+def policy_scope(spec, half=None):
+    """Runs a `with` block under a policy, then restores the previous one.
+
+    Keras's global dtype policy and kmix's policy are both saved on entry and
+    restored on exit, also when the block raises.
+
+    Args:
+        spec: anything `kmix.Policy` accepts.
+        half: `"float16"` (default) or `"bfloat16"`, for opt levels.
+
+    Yields:
+        The `kmix.Policy` in force inside the block.
+
+    Example:
+
+    >>> with kmix.policy_scope("O2", half="bfloat16") as policy:
+    ...     model = build_model()           # bfloat16 variables
+    ...     opt = kmix.wrap("adam")         # with float32 master weights
+    """
+    previous_keras = keras.config.dtype_policy()
+    previous = _state.save()
+    try:
+        yield set_policy(spec, half=half)
+    finally:
+        keras.config.set_dtype_policy(previous_keras)
+        _state.restore(previous)
+
+
+def active_policy():
+    """The `kmix.Policy` set by `set_policy` / `policy_scope`, if still in force.
+
+    Returns:
+        The policy, or `None` if kmix never set one in this thread or Keras's
+        global policy has since been changed to another one by other code.
+
+    Example:
+
+    >>> kmix.set_policy("O2")
+    >>> kmix.active_policy().needs_master_weights
+    True
+    >>> keras.config.set_dtype_policy("float32")
+    >>> kmix.active_policy() is None
+    True
+    """
+    return _state.get()
