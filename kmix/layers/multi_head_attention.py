@@ -38,7 +38,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         return_attention_scores, training, use_causal_mask: as Keras.
         attention_bias: optional additive float bias, shaped like
             `attention_mask` (`(B, T, S)`) or with the heads axis
-            (`(B, N, T, S)`), broadcastable: 0 keeps, large negatives (-1e4,
+            (`(B, N, T, S)`), broadcastable: 0 keeps, values <= -1e3 (-1e4,
             -1e9, `finfo.min`, `-inf`) mask. Combines with every mask.
 
     Returns:

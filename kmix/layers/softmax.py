@@ -76,7 +76,7 @@ class MaskedSoftmax(Softmax):
     """Float32 softmax taking a boolean `mask` and/or an additive `bias`.
 
     The layer form of `kmix.ops.masked_softmax`, for attention code that
-    builds an additive mask: a bias of 0 keeps, large negatives (-1e4, -1e9,
+    builds an additive mask: a bias of 0 keeps, values <= -1e3 (-1e4, -1e9,
     `finfo.min`, `-inf`, also a float16 bias whose -1e9 became `-inf`) mask.
 
     Args:

@@ -17,18 +17,19 @@ import numpy as np
 import tensorflow as tf
 
 # An additive bias at or below this value masks its position, as `-inf` does.
-# exp(-1e4) is 0 in float32 and float64, so for a row that keeps any position
-# masking such an entry changes nothing; it only decides what a row whose
-# every entry is this negative gives: zeros, not a uniform spread.
-BIAS_MASK_THRESHOLD = -1e4
+# exp(-1e3) is 0 even in float64, so on a row that keeps a position with a
+# bias near 0 masking such an entry changes nothing; it decides what a row
+# whose every entry is this negative gives: zeros, not a uniform spread. It is
+# -1e3 rather than -1e4 because BERT's -1e4 rounds to -9984 in bfloat16.
+BIAS_MASK_THRESHOLD = -1e3
 
 
 def masked_softmax(logits, mask=None, bias=None, axis=-1, dtype=None):
     """Softmax in float32 that zeroes masked positions and never gives NaN.
 
     A position is masked when `mask` is False (or <= 0.5), when `bias` is at or
-    below -1e4 (`-1e9`, `finfo.min` and `-inf` included, whatever the bias's
-    dtype), or when its logit is `-inf`. Masked positions give exactly 0 and a
+    below -1e3 (`-1e4`, `-1e9`, `finfo.min` and `-inf` included, whatever the
+    bias's dtype), or when its logit is `-inf`. Masked positions give exactly 0 and a
     zero gradient; a row with every position masked gives zeros.
 
     Args:
@@ -36,7 +37,7 @@ def masked_softmax(logits, mask=None, bias=None, axis=-1, dtype=None):
         mask: optional; bool, or numeric where a value > 0.5 keeps the
             position. Broadcastable to `logits` without adding dimensions.
         bias: optional additive bias of any float dtype, broadcastable to
-            `logits`: 0 keeps, large negatives (-1e4, -1e9, `finfo.min`,
+            `logits`: 0 keeps, values <= -1e3 (-1e4, -1e9, `finfo.min`,
             `-inf`) mask.
         axis: an int or a tuple of ints: the axes normalised over.
         dtype: the output dtype; `logits.dtype` by default.
@@ -66,7 +67,7 @@ def masked_log_softmax(logits, mask=None, bias=None, axis=-1, dtype=None):
         mask: optional; bool, or numeric where a value > 0.5 keeps the
             position. Broadcastable to `logits` without adding dimensions.
         bias: optional additive bias of any float dtype, broadcastable to
-            `logits`: 0 keeps, large negatives (-1e4, -1e9, `finfo.min`,
+            `logits`: 0 keeps, values <= -1e3 (-1e4, -1e9, `finfo.min`,
             `-inf`) mask.
         axis: an int or a tuple of ints: the axes normalised over.
         dtype: the output dtype; `logits.dtype` by default.
