@@ -7,6 +7,7 @@ import keras
 import tensorflow as tf
 
 from kmix._compat import no_automatic_dependency_tracking, strategy_supports_no_merge_call
+from kmix.optimizers import accumulation
 from kmix.optimizers import master_weights as mw
 
 _HALF = ("float16", "bfloat16")
@@ -56,6 +57,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             `False` updates the variables directly; `"auto"` (the default)
             is `True` unless the active policy has half parameters and asks
             for none (kmix's `"O3"`, Keras's `"float16"` / `"bfloat16"`).
+        accumulation_steps: micro-batches per optimizer step, an int >= 1. Their
+            unscaled float32 gradients are summed and their mean applied once;
+            one overflow discards the whole step (see `flush` for the
+            remainder at the end of training).
         name: the optimizer's name.
 
     Example:
@@ -79,6 +84,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         dynamic=True,
         name=None,
         master_weights="auto",
+        accumulation_steps=1,
         dynamic_growth_steps=None,
         **kwargs,
     ):
@@ -124,6 +130,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 "`master_weights` must be 'auto', True or False. "
                 f"Received: master_weights={master_weights!r}"
             )
+        accumulation_steps = _positive_int("accumulation_steps", accumulation_steps)
+        inner_steps = getattr(inner_optimizer, "gradient_accumulation_steps", None)
+        if inner_steps:
+            raise ValueError(
+                "The inner optimizer accumulates gradients itself "
+                f"(gradient_accumulation_steps={inner_steps}); under loss scaling a skipped "
+                "micro-batch would silently drop out of its sum and bias the step. Received: "
+                f"inner_optimizer.gradient_accumulation_steps={inner_steps!r}. Use "
+                f"`kmix.wrap(opt, accumulation_steps={inner_steps})` on an optimizer without it."
+            )
         super().__init__(
             inner_optimizer,
             initial_scale=initial_scale,
@@ -139,6 +155,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.max_scale = max_scale
         self.dynamic = dynamic
         self.master_weights = master_weights
+        self.accumulation_steps = accumulation_steps
 
     # ------------------------------------------------------------------ state
     @no_automatic_dependency_tracking
@@ -184,6 +201,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             name="current_growth_interval",
         )
         self._index = {id(v): i for i, v in enumerate(var_list)}
+        if self.accumulation_steps > 1:
+            accumulation.create_state(self, var_list)
 
     @property
     def loss_scale(self):
@@ -272,7 +291,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # ----------------------------------------------------------------- apply
     def apply(self, grads, trainable_variables=None):
-        """Applies scaled `grads` once, or skips the step if any is non-finite."""
+        """Applies scaled `grads` once, or skips the step if any is non-finite.
+
+        With `accumulation_steps=k`, each call is one micro-batch: its
+        unscaled float32 gradients are summed, and every k-th call applies
+        their mean, or skips the whole step if any of the k overflowed.
+        """
         grads = list(grads)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
@@ -290,30 +314,52 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
         finite = tf.equal(tf.reduce_sum(nonfinite), 0.0)
         scale = tf.convert_to_tensor(self.dynamic_scale)
-        if strategy_supports_no_merge_call():
-            tf.cond(finite, lambda: self._apply_unscaled(grads, variables, scale), lambda: None)
+        unscaled = [
+            g if g is None or getattr(v, "overwrite_with_gradient", False) else _unscale(g, scale)
+            for g, v in zip(grads, variables)
+        ]
+        if self.accumulation_steps == 1:
+            self._apply_if(finite, unscaled, variables)
+            self._update_state(finite, nonfinite, scale)
         else:
-            ctx.merge_call(self._cross_replica_apply, args=(finite, grads, variables, scale))
-        self._update_state(finite, nonfinite, scale)
+            accumulation.add_micro_batch(self, finite, nonfinite, unscaled, variables, scale)
         return self.iterations
 
-    def _cross_replica_apply(self, distribution, finite, grads, variables, scale):
+    def flush(self):
+        """Applies a partial accumulation (fewer than `accumulation_steps` micro-batches).
+
+        Divides by the number of micro-batches actually summed, as MMCV's
+        `GradientCumulativeOptimizerHook` does for its remainder. `model.fit`
+        calls it at the end of training (through `finalize_variable_values`);
+        call it yourself at the end of a custom loop. A no-op without
+        accumulation or with nothing pending.
+        """
+        if self.accumulation_steps == 1 or not self.built:
+            return
+        if tf.distribute.in_cross_replica_context():
+            tf.distribute.get_strategy().run(self.flush)
+            return
+        accumulation.flush(self)
+
+    def _apply_if(self, finite, unscaled, variables):
+        """Runs the inner optimizer on already unscaled gradients where `finite` holds."""
+        if strategy_supports_no_merge_call():
+            tf.cond(finite, lambda: self._apply_inner(unscaled, variables), lambda: None)
+        else:
+            ctx = tf.distribute.get_replica_context()
+            ctx.merge_call(self._cross_replica_apply, args=(finite, unscaled, variables))
+
+    def _cross_replica_apply(self, distribution, finite, unscaled, variables):
         # tf.distribute forbids a merge call inside a replica-context cond, and the
         # inner optimizer merges: so the cond runs here, in cross-replica context.
         finite = distribution.experimental_local_results(finite)[0]
 
         def apply_fn():
-            distribution.extended.call_for_each_replica(
-                self._apply_unscaled, args=(grads, variables, scale)
-            )
+            distribution.extended.call_for_each_replica(self._apply_inner, args=(unscaled, variables))
 
         tf.cond(finite, apply_fn, lambda: None)
 
-    def _apply_unscaled(self, grads, variables, scale):
-        unscaled = [
-            g if g is None or getattr(v, "overwrite_with_gradient", False) else _unscale(g, scale)
-            for g, v in zip(grads, variables)
-        ]
+    def _apply_inner(self, unscaled, variables):
         if not self._masters:
             self.inner_optimizer.apply(unscaled, variables)
             return
@@ -322,7 +368,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.inner_optimizer.apply(unscaled, masters)
         mw.copy_to_model(self._masters, self._model_variables, indices)
 
-    def _update_state(self, finite, nonfinite, scale):
+    def _update_state(self, finite, nonfinite, scale, active=None):
+        """One step of the class docstring's pseudo-code; nothing changes where `active` is False."""
         one = tf.constant(1, tf.int64)
         zero = tf.constant(0, tf.int64)
         good = tf.where(finite, tf.convert_to_tensor(self.step_counter) + 1, 0)
@@ -341,14 +388,22 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 backoff, tf.maximum(scale * self.backoff_factor, self.min_scale), new_scale
             )
         skipped = tf.where(finite, zero, one)
-        self.step_counter.assign(tf.where(grow, tf.zeros_like(good), good))
+        overflowed = tf.cast(nonfinite > 0, tf.int64)
+        at_floor = tf.where(scale <= self.min_scale, skipped, zero)
+        good = tf.where(grow, tf.zeros_like(good), good)
+        if active is not None:
+            keep = tf.logical_not(active)
+            good = tf.where(keep, self.step_counter, good)
+            hysteresis_left = tf.where(keep, self._hysteresis_left, hysteresis_left)
+            new_scale = tf.where(keep, scale, new_scale)
+            skipped, at_floor = (tf.where(keep, zero, t) for t in (skipped, at_floor))
+            overflowed = tf.where(keep, tf.zeros_like(overflowed), overflowed)
+        self.step_counter.assign(good)
         self._hysteresis_left.assign(hysteresis_left)
         self.dynamic_scale.assign(new_scale)
         self._skipped_steps.assign_add(skipped)
-        self._overflow_counts.assign_add(tf.cast(nonfinite > 0, tf.int64))
-        self._min_scale_overflows.assign_add(
-            tf.where(scale <= self.min_scale, skipped, zero)
-        )
+        self._overflow_counts.assign_add(overflowed)
+        self._min_scale_overflows.assign_add(at_floor)
 
     def _resolve_variables(self, grads, trainable_variables):
         if trainable_variables is None:
@@ -382,7 +437,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return tf.stack(flags)
 
     def finalize_variable_values(self, var_list):
-        """Lets the inner optimizer write its EMA (if any) into the model variables."""
+        """Applies a pending partial accumulation, then lets the inner optimizer finalize (EMA)."""
+        self.flush()
         if not self._masters_for(var_list):
             return super().finalize_variable_values(var_list)
         indices = [self._index[id(v)] for v in var_list]
@@ -408,6 +464,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             max_scale=self.max_scale,
             dynamic=self.dynamic,
             master_weights=self.master_weights,
+            accumulation_steps=self.accumulation_steps,
         )
         return config
 

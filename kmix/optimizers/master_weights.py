@@ -47,7 +47,11 @@ def create_masters(optimizer, var_list):
             aggregation="none",
             name=f"master_{name}",
         )
-        copy.assign(tf.cast(tf.convert_to_tensor(v), tf.float32))
+        # `build` can run while `model.fit` traces its first train step; an assign
+        # traced there lands in TensorFlow's variable-creation trace, which is
+        # never run, and the copy would start at zero. init_scope runs it now.
+        with tf.init_scope():
+            copy.assign(tf.cast(tf.convert_to_tensor(v), tf.float32))
         masters[i] = copy
     return masters
 

@@ -1,0 +1,75 @@
+"""Gradient accumulation under loss scaling: k micro-batches, one step, all or nothing.
+
+Keras's own `gradient_accumulation_steps` lives in the inner optimizer, which a
+loss-scale optimizer does not call on a skipped micro-batch: that micro-batch
+silently drops out of the sum and the step is biased. Here the accumulation
+sits in the loss-scale optimizer instead:
+
+    every micro-batch:  acc += unscaled float32 grads (if finite); window_bad |= overflow
+    every k-th:         if window_bad: skip (scale backs off once, one skipped step)
+                        else: inner.apply(acc / k)
+                        acc = 0; window_bad = False
+
+Windows run across epoch boundaries (nothing is dropped); what is left at the
+end of training is applied by `LossScaleOptimizer.flush()` with the number of
+micro-batches actually summed as the divisor. Under `tf.distribute` each
+replica accumulates its own local gradients; the inner optimizer all-reduces
+the means as usual.
+"""
+
+import tensorflow as tf
+
+
+def create_state(opt, var_list):
+    """Creates the float32 accumulators, the micro-batch counter and the window's overflow flags."""
+    opt._accumulators = [
+        opt.add_variable(
+            shape=tuple(v.shape),
+            dtype="float32",
+            initializer="zeros",
+            aggregation="none",
+            name="accumulator_" + (getattr(v, "path", None) or v.name).replace("/", "_").replace(":", "_"),
+        )
+        for v in var_list
+    ]
+    opt._micro_step = opt.add_variable(shape=(), dtype="int64", initializer="zeros", aggregation="none", name="micro_step")
+    opt._window_nonfinite = opt.add_variable(
+        shape=(len(var_list),), dtype="float32", initializer="zeros", aggregation="none", name="window_nonfinite"
+    )
+    # Which variables receive gradients: fixed per traced step, remembered for `flush`.
+    opt._accumulated = [True] * len(var_list)
+
+
+def add_micro_batch(opt, finite, nonfinite, unscaled, variables, scale):
+    """Adds one micro-batch; on the k-th, applies the mean or skips the whole step."""
+    received = [False] * len(opt._model_variables)
+    for g, v in zip(unscaled, variables):
+        if g is None:
+            continue
+        i = opt._index[id(v)]
+        received[i] = True
+        acc = opt._accumulators[i]
+        g = tf.cast(tf.convert_to_tensor(g), tf.float32)  # IndexedSlices become dense here
+        acc.assign_add(tf.where(finite, g, tf.zeros_like(g)))
+    opt._accumulated = received
+    window = tf.convert_to_tensor(opt._window_nonfinite) + nonfinite
+    count = tf.convert_to_tensor(opt._micro_step) + 1
+    _finish(opt, count >= opt.accumulation_steps, window, count, scale)
+
+
+def flush(opt):
+    """Applies what has been accumulated so far, divided by the micro-batches summed."""
+    count = tf.convert_to_tensor(opt._micro_step)
+    _finish(opt, count > 0, tf.convert_to_tensor(opt._window_nonfinite), count, opt.loss_scale)
+
+
+def _finish(opt, end, window, count, scale):
+    clean = tf.equal(tf.reduce_sum(window), 0.0)
+    divisor = tf.cast(tf.maximum(count, 1), tf.float32)
+    means = [acc / divisor if on else None for acc, on in zip(opt._accumulators, opt._accumulated)]
+    opt._apply_if(tf.logical_and(end, clean), means, opt._model_variables)
+    opt._update_state(clean, window, scale, active=end)
+    for acc in opt._accumulators:
+        acc.assign(tf.where(end, tf.zeros_like(acc), acc))
+    opt._micro_step.assign(tf.where(end, tf.zeros_like(count), count))
+    opt._window_nonfinite.assign(tf.where(end, tf.zeros_like(window), window))
