@@ -1,6 +1,7 @@
 """kmix: safe and fast mixed-precision training for Keras 3 (TensorFlow backend).
 
     import keras, kmix
+    kmix.set_policy("O1")
     model.compile(optimizer=kmix.wrap(keras.optimizers.AdamW(3e-4)), loss=...)
 """
 
@@ -8,13 +9,27 @@ __version__ = "0.1.0"
 
 from kmix import callbacks, layers, ops, schedules  # noqa: E402
 from kmix.optimizers import LossScaleOptimizer, wrap  # noqa: E402
+from kmix.policy import (  # noqa: E402
+    Policy,
+    active_policy,
+    autocast,
+    memory_report,
+    policy_scope,
+    set_policy,
+)
 
 __all__ = [
     "LossScaleOptimizer",
+    "Policy",
     "__version__",
+    "active_policy",
+    "autocast",
     "callbacks",
     "layers",
+    "memory_report",
     "ops",
+    "policy_scope",
     "schedules",
+    "set_policy",
     "wrap",
 ]
