@@ -1,0 +1,87 @@
+"""`python -m kmix doctor`: the recommendation for every kind of device, and the report."""
+
+import platform
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmix
+from kmix import doctor
+
+# (compute capabilities, policy, loss scaling, words the reason must contain)
+CASES = [
+    ([(9, 0)], "mixed_bfloat16", False, ["9.0", "bfloat16 tensor cores", "no loss scaling"]),
+    ([(8, 0)], "mixed_bfloat16", False, ["8.0", "bfloat16 tensor cores"]),
+    ([(8, 9), (8, 6)], "mixed_bfloat16", False, ["8.6", "oldest"]),
+    ([(7, 5)], "mixed_float16", True, ["7.5", "float16 tensor cores", "loss scaling"]),
+    ([(7, 0)], "mixed_float16", True, ["7.0"]),
+    ([(9, 0), (7, 0)], "mixed_float16", True, ["7.0", "oldest"]),
+    ([(6, 1)], "float32", False, ["6.1", "no tensor cores"]),
+    ([], "float32", False, ["No GPU", "CPU"]),
+    ([None], "float32", False, ["compute capability", "bench train"]),
+]
+
+
+@pytest.mark.parametrize("ccs, policy, loss_scaling, words", CASES)
+def test_recommend_policy(ccs, policy, loss_scaling, words):
+    rec = doctor.recommend_policy(ccs)
+    assert rec.policy == policy
+    assert rec.loss_scaling is loss_scaling
+    for word in words:
+        assert word in rec.reason, (word, rec.reason)
+
+
+def test_recommended_policy_is_one_kmix_accepts():
+    for ccs, _, loss_scaling, _ in CASES:
+        policy = kmix.Policy(doctor.recommend_policy(ccs).policy)
+        # The recommendation's loss-scaling flag agrees with the policy's own.
+        assert policy.needs_loss_scaling is loss_scaling
+
+
+def test_tensor_cores():
+    assert doctor.tensor_cores(None) == {"float16": False, "bfloat16": False}
+    assert doctor.tensor_cores((6, 0)) == {"float16": False, "bfloat16": False}
+    assert doctor.tensor_cores((7, 5)) == {"float16": True, "bfloat16": False}
+    assert doctor.tensor_cores((8, 0)) == {"float16": True, "bfloat16": True}
+    assert doctor.tensor_cores((10, 0)) == {"float16": True, "bfloat16": True}
+
+
+def test_report_for_a_gpu():
+    facts = {
+        "versions": {"python": "3.11", "tensorflow": "2.21", "keras": "3.15", "numpy": "2.0", "kmix": "0.1"},
+        "gpus": [{"name": "NVIDIA H200", "compute_capability": (9, 0)}],
+        "cpu": "x86_64, 16 core(s)",
+        "built_with_cuda": True,
+        "cuda": "12.5",
+        "cudnn": "9",
+        "tf32": True,
+        "xla": "yes",
+    }
+    text = doctor.format_report(facts, doctor.recommend_policy([(9, 0)]))
+    assert "NVIDIA H200" in text
+    assert "compute capability      9.0" in text
+    assert "bfloat16 tensor cores   yes" in text
+    assert "kmix.set_policy('mixed_bfloat16')" in text
+
+
+def test_main_prints_versions_and_recommendation(capsys):
+    result = doctor.main([])
+    out = capsys.readouterr().out
+    for name, version in [
+        ("python", platform.python_version()),
+        ("tensorflow", tf.__version__),
+        ("keras", keras.__version__),
+        ("numpy", np.__version__),
+        ("kmix", kmix.__version__),
+    ]:
+        assert f"{name:<11} {version}" in out
+    gpus = tf.config.list_physical_devices("GPU")
+    assert len(result["facts"]["gpus"]) == len(gpus)
+    assert result["facts"]["xla"].startswith("yes")
+    expected = doctor.recommend_policy([g["compute_capability"] for g in result["facts"]["gpus"]])
+    assert result["recommendation"] == expected
+    assert "Recommended policy\n  " + expected.policy in out
+    if not gpus:
+        assert "No GPU found" in out
