@@ -1,0 +1,91 @@
+"""`python -m kmix demo`: the naive run goes NaN, the kmix run trains like float32."""
+
+import math
+import os
+
+import keras
+import numpy as np
+import pytest
+
+from kmix import demo
+
+
+def test_data_labels_are_the_strict_majority_marker():
+    tokens, labels = demo.make_data(200, seed=3)
+    lengths = (tokens != 0).sum(axis=1)
+    assert lengths.min() >= demo.MIN_LEN and lengths.max() <= demo.MAX_LEN
+    for row, label, length in zip(tokens, labels, lengths):
+        assert (row[length:] == 0).all() and (row[:length] != 0).all()
+        counts = np.array([(row == marker).sum() for marker in range(1, demo.CLASSES + 1)])
+        assert counts[label] > np.delete(counts, label).max()
+    again, _ = demo.make_data(200, seed=3)
+    np.testing.assert_array_equal(tokens, again)
+
+
+def test_naive_mask_is_nan_in_float16_and_kmix_matches_float32():
+    tokens, _ = demo.make_data(16, seed=0)
+    keras.config.set_dtype_policy("float32")
+    reference = np.asarray(demo.build_model("naive")(tokens), np.float64)
+    keras.config.set_dtype_policy("mixed_float16")
+    naive = np.asarray(demo.build_model("naive")(tokens), np.float64)
+    ours = np.asarray(demo.build_model("kmix")(tokens), np.float64)
+    assert np.isfinite(reference).all()
+    assert np.isnan(naive).all()
+    # Same seed, same weights: only float16 rounding separates them.
+    np.testing.assert_allclose(ours, reference, atol=2e-2)
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    assert np.isfinite(np.asarray(demo.build_model("naive")(tokens))).all()  # -1e9 fits in bfloat16
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    try:
+        results = demo.main(["--steps", "40", "--quiet", "--out", str(out)])
+    finally:
+        keras.config.set_dtype_policy("float32")
+    return results, out
+
+
+def test_demo_naive_run_goes_nan(demo_run):
+    results, _ = demo_run
+    naive = results["naive"]
+    assert naive["first_nan_step"] == 1
+    assert all(math.isnan(v) for v in naive["losses"])
+    assert math.isnan(naive["final_loss"])
+    assert naive["skipped_steps"] == 40  # every step skipped: the weights never moved
+    assert naive["final_scale"] == pytest.approx(2.0**15 / 2.0**40)
+
+
+def test_demo_kmix_run_trains_like_float32(demo_run):
+    results, _ = demo_run
+    f32, ours = results["float32"], results["kmix"]
+    assert len(ours["losses"]) == 40 and all(math.isfinite(v) for v in ours["losses"])
+    assert ours["first_nan_step"] is None and f32["first_nan_step"] is None
+    assert ours["losses"][-1] < 0.8 * ours["losses"][0]
+    assert abs(ours["final_loss"] - f32["final_loss"]) <= 0.1 * f32["final_loss"] + 0.02
+    assert abs(ours["accuracy"] - f32["accuracy"]) <= 0.05
+    assert ours["final_scale"] == 2.0**15 and ours["skipped_steps"] == 0
+    assert len(ours["scales"]) == 40
+
+
+def test_demo_prints_table_and_saves_png(demo_run, capsys):
+    results, out = demo_run
+    path = os.path.join(out, "demo.png")
+    assert results["plot"] == path
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    table = demo.format_results({k: results[k] for k in demo.RUNS}, "mixed_float16")
+    lines = table.splitlines()
+    assert lines[0].split()[:3] == ["run", "final", "loss"]
+    assert "nan" in lines[3] and lines[3].rstrip().endswith("1")
+    assert lines[4].rstrip().endswith("none")
+
+
+def test_demo_help_describes_options(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--steps", "--policy", "--out", "mixed_bfloat16", "kmix-out"):
+        assert option in text
