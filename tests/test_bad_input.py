@@ -1,0 +1,126 @@
+"""Bad input across the public API: a clear error at the call, and nothing changed.
+
+Each row is (id, call, error type, words the message must contain). Every
+message must also say what was received or what is accepted. The `state`
+fixture snapshots what a failed call could have touched (Keras's global
+policy, kmix's active policy, the model's and optimizer's variables) and
+checks it is unchanged afterwards.
+"""
+
+import numpy as np
+import pytest
+
+import keras
+import kmix
+
+x16 = np.zeros((2, 4, 4), np.float32)
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def _model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), keras.layers.Dense(1)])
+
+
+@pytest.fixture
+def env():
+    """A small model, a built kmix optimizer, and a checker that nothing changed."""
+    model = _model()
+    opt = kmix.wrap(keras.optimizers.SGD(0.1), hysteresis=2)
+    model.compile(optimizer=opt, loss="mse")
+    opt.build(model.trainable_variables)
+
+    def snapshot():
+        return (
+            keras.config.dtype_policy().name,
+            kmix.active_policy(),
+            [w.copy() for w in model.get_weights()],
+            [np.array(v.numpy()) for v in opt.variables],
+            opt.get_config(),
+        )
+
+    before = snapshot()
+    yield model, opt
+    after = snapshot()
+    assert after[:2] == before[:2], "a failed call changed the global policy"
+    for a, b in zip(before[2] + before[3], after[2] + after[3]):
+        np.testing.assert_array_equal(a, b)
+    assert after[4] == before[4]
+
+
+CASES = [
+    ("growth_factor<=1", lambda m, o: kmix.LossScaleOptimizer(keras.optimizers.SGD(), growth_factor=1.0), ValueError, ["growth_factor", "> 1"]),
+    ("backoff>=1", lambda m, o: kmix.LossScaleOptimizer(keras.optimizers.SGD(), backoff_factor=1.5), ValueError, ["backoff_factor", "(0, 1)"]),
+    ("backoff<=0", lambda m, o: kmix.LossScaleOptimizer(keras.optimizers.SGD(), backoff_factor=0.0), ValueError, ["backoff_factor"]),
+    ("min>max", lambda m, o: kmix.LossScaleOptimizer(keras.optimizers.SGD(), min_scale=8.0, max_scale=4.0), ValueError, ["min_scale", "max_scale"]),
+    ("initial_scale<=0", lambda m, o: kmix.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=-1), ValueError, ["initial_scale", "> 0"]),
+    ("growth_interval=0", lambda m, o: kmix.LossScaleOptimizer(keras.optimizers.SGD(), growth_interval=0), ValueError, ["growth_interval", "int >= 1"]),
+    ("growth_interval<0", lambda m, o: kmix.wrap("sgd", growth_interval=-5), ValueError, ["growth_interval"]),
+    ("growth_interval float", lambda m, o: kmix.wrap("sgd", growth_interval=2.5), TypeError, ["growth_interval"]),
+    ("hysteresis=0", lambda m, o: kmix.wrap("sgd", hysteresis=0), ValueError, ["hysteresis", "int >= 1"]),
+    ("accumulation_steps=0", lambda m, o: kmix.wrap("sgd", accumulation_steps=0), ValueError, ["accumulation_steps"]),
+    ("inner not keras", lambda m, o: kmix.LossScaleOptimizer(object()), TypeError, ["inner_optimizer", "keras.optimizers.Optimizer"]),
+    ("wrap non-optimizer", lambda m, o: kmix.wrap(3.5), TypeError, ["optimizer", "keras.optimizers.Optimizer"]),
+    ("wrap unknown name", lambda m, o: kmix.wrap("adamz"), ValueError, ["optimizer='adamz'"]),
+    ("wrap conflicting kwargs", lambda m, o: kmix.wrap(o, hysteresis=4), ValueError, ["hysteresis=4"]),
+    ("wrap inner accumulation", lambda m, o: kmix.wrap(keras.optimizers.SGD(gradient_accumulation_steps=2)), ValueError, ["gradient_accumulation_steps", "accumulation_steps=2"]),
+    ("unknown policy", lambda m, o: kmix.set_policy("O5"), ValueError, ["'O5'", "Accepted"]),
+    ("policy string missing key", lambda m, o: kmix.Policy("params=float32,compute=float16"), ValueError, ["output", "Accepted"]),
+    ("policy not a string", lambda m, o: kmix.Policy(16), TypeError, ["spec"]),
+    ("policy_scope unknown", lambda m, o: kmix.policy_scope("mixed_float17").__enter__(), ValueError, ["mixed_float17"]),
+    ("mask wrong shape", lambda m, o: kmix.ops.masked_softmax(x16, mask=np.ones((2, 5), bool)), ValueError, ["mask.shape=(2, 5)", "broadcastable to (2, 4, 4)"]),
+    ("mask wrong dtype", lambda m, o: kmix.ops.masked_softmax(x16, mask=np.array([["a"] * 4] * 4)), TypeError, ["mask"]),
+    ("Softmax layer mask shape", lambda m, o: kmix.layers.Softmax()(x16, mask=np.ones((3, 4), bool)), ValueError, ["mask"]),
+    ("autocast subclassed", lambda m, o: kmix.autocast(Subclassed()), TypeError, ["Sequential or functional", "Instead"]),
+    ("autocast bad policy", lambda m, o: kmix.autocast(m, policy="O9"), ValueError, ["'O9'"]),
+    ("WithPolicy non-layer", lambda m, o: kmix.layers.WithPolicy("dense", "float32"), TypeError, ["layer"]),
+    ("memory_report batch 0", lambda m, o: kmix.memory_report(m, "O1", "adam", batch_size=0), ValueError, ["batch_size"]),
+    ("Warmup negative steps", lambda m, o: kmix.schedules.Warmup(1e-3, -1), ValueError, ["warmup_steps"]),
+    ("Warmup shape", lambda m, o: kmix.schedules.Warmup(1e-3, 10, shape="square"), ValueError, ["shape", "square"]),
+    ("LossScaleMonitor mode", lambda m, o: kmix.callbacks.LossScaleMonitor(on_min_scale="explode"), ValueError, ["on_min_scale", "explode"]),
+    ("NaNGuard lr_factor", lambda m, o: kmix.callbacks.NaNGuard(lr_factor=2.0), ValueError, ["lr_factor"]),
+    ("LossScaleWarmup interval", lambda m, o: kmix.callbacks.LossScaleWarmup(growth_interval=0), ValueError, ["growth_interval"]),
+]
+
+
+@pytest.mark.parametrize("call, error, words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input(env, call, error, words):
+    model, opt = env
+    with pytest.raises(error) as info:
+        call(model, opt)
+    message = str(info.value)
+    for word in words:
+        assert word in message, f"{word!r} not in: {message}"
+    assert any(w in message for w in ("Received", "received", "Accepted", "accepted", "expected")), message
+
+
+def _fit_bad_data(value, callback):
+    model = _model()
+    opt = kmix.wrap(keras.optimizers.SGD(0.1))  # float32 policy: scale fixed at 1 == min_scale
+    model.compile(optimizer=opt, loss="mse")
+    before = [w.copy() for w in model.get_weights()]
+    x = np.full((16, 3), value, np.float32)
+    with pytest.raises(FloatingPointError) as info:
+        model.fit(x, np.zeros((16, 1), np.float32), batch_size=4, verbose=0, callbacks=[callback])
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)  # every step was skipped: weights untouched
+    assert int(opt.skipped_steps) >= 1 and int(opt.iterations) == 0
+    return str(info.value)
+
+
+def test_nan_in_input_data_stops_naming_the_step():
+    message = _fit_bad_data(np.nan, kmix.callbacks.NaNGuard(max_rollbacks=1, snapshot_every=1))
+    assert "step" in message
+
+
+def test_inf_in_input_data_at_min_scale_raises_naming_step_and_scale():
+    message = _fit_bad_data(np.inf, kmix.callbacks.LossScaleMonitor(on_min_scale="raise"))
+    assert "step" in message and "scale" in message
