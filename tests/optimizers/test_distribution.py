@@ -77,3 +77,33 @@ def test_matches_single_device_training():
     assert results[0][1] == results[1][1] == 1
     for a, b in zip(results[0][0], results[1][0]):
         np.testing.assert_allclose(b, a, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("feature", ["accumulation", "master_weights"])
+def test_features_under_two_replicas_match_one_device(feature):
+    """Accumulation and float32 master weights give the single-device result under MirroredStrategy."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(32, 4)).astype("float32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+    x[20, 2] = np.nan  # one overflowing (micro-)batch
+    results = []
+    for strategy in (tf.distribute.get_strategy(), two_replica_strategy()):
+        if feature == "accumulation":
+            model = build(strategy, lambda: kmix.wrap(keras.optimizers.SGD(0.05), accumulation_steps=2))
+        else:
+            keras.config.set_dtype_policy("float16")
+            keras.utils.set_random_seed(0)
+            with strategy.scope():
+                model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+                model.compile(optimizer=kmix.wrap(keras.optimizers.SGD(0.05), master_weights=True), loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        opt = model.optimizer
+        results.append((model.get_weights(), int(opt.skipped_steps.numpy()), int(opt.iterations.numpy())))
+        if strategy.num_replicas_in_sync == 2:
+            for w in model.trainable_weights:
+                a, b = replica_values(w)
+                np.testing.assert_array_equal(a, b)
+    expected_steps = (1, 1) if feature == "accumulation" else (1, 3)
+    assert results[0][1:] == results[1][1:] == expected_steps
+    for a, b in zip(results[0][0], results[1][0]):
+        np.testing.assert_allclose(np.float32(b), np.float32(a), rtol=5e-3, atol=5e-3)
