@@ -1,0 +1,175 @@
+"""The training program that tests/fault/test_resume.py kills and restarts.
+
+`model.fit` of a float16-parameter model with `kmix.wrap(Adam, master_weights=True)`,
+`kmix.callbacks.LearningRateWarmup` and `keras.callbacks.BackupAndRestore`
+(a checkpoint every `SAVE_FREQ` batches), on deterministic data with injected
+overflow batches.
+
+What Keras 3.15 restores: `BackupAndRestore` saves the model and optimizer
+variables and `{"epoch", "batch"}` every `save_freq` batches, but on restart it
+reads only `"epoch"`: `fit` starts that epoch again from its first batch, with
+the weights of the middle of the epoch. Replaying those batches would train on
+them twice. So the data here is a stream of batches indexed by the global step
+(batches consumed so far, `iterations + skipped_steps` of the kmix optimizer,
+both restored from the checkpoint), `DataPosition` points the stream at the
+restored step when training begins, and `StopAtStep` ends training after
+`TOTAL` steps instead of counting epochs. Then a resumed run sees exactly the
+batches an uninterrupted run sees after that step.
+
+Usage: python tests/fault/resume_worker.py --backup DIR --log FILE --out FILE.npz [--stall-at STEP]
+`--stall-at` writes the log line of that step and then waits (for SIGKILL).
+"""
+
+import argparse
+import json
+import math
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import kmix  # noqa: E402
+
+TOTAL = 40  # steps (batches) of the whole run
+STEPS_PER_EPOCH = 12
+EPOCHS = math.ceil(TOTAL / STEPS_PER_EPOCH) + 1  # room for the epoch Keras starts again
+SAVE_FREQ = 5  # BackupAndRestore saves after batches 5, 10, 15, ... of each process
+WARMUP_STEPS = 30
+OVERFLOW_STEPS = (3, 8, 16, 21, 33)  # global steps whose input holds an inf
+BATCH, FEATURES = 8, 6
+
+
+def batch_at(step):
+    """The batch of global step `step`: the same in every run."""
+    rng = np.random.default_rng(step)
+    x = rng.normal(size=(BATCH, FEATURES)).astype("float32")
+    y = (x[:, :2].sum(axis=1, keepdims=True) - x[:, 2:3]).astype("float32")
+    if step in OVERFLOW_STEPS:
+        x[0, 0] = np.inf
+    return x, y
+
+
+def steps_done(optimizer):
+    """Batches consumed so far: applied (`iterations`) plus skipped."""
+    if not optimizer.built:
+        return 0
+    return int(optimizer.iterations.numpy()) + int(optimizer.skipped_steps.numpy())
+
+
+class DataPosition(keras.callbacks.Callback):
+    """Points the data stream at the restored step (place it after BackupAndRestore)."""
+
+    def __init__(self):
+        super().__init__()
+        self.start = None
+        self.first_batch = None
+
+    def on_train_begin(self, logs=None):
+        self.start = steps_done(self.model.optimizer)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.first_batch is None:
+            self.first_batch = {"epoch": epoch}
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if "batch" not in self.first_batch:
+            self.first_batch["batch"] = batch
+
+    def stream(self):
+        step = self.start  # read when fit creates the iterator: after on_train_begin
+        while True:
+            yield batch_at(step)
+            step += 1
+
+
+class StepLog(keras.callbacks.Callback):
+    """Appends one JSON line per step (scale, counters, learning rate); may stall; stops at TOTAL."""
+
+    def __init__(self, path, stall_at=None):
+        super().__init__()
+        self.path = path
+        self.stall_at = stall_at
+
+    def on_train_batch_end(self, batch, logs=None):
+        opt = self.model.optimizer
+        step = steps_done(opt) - 1
+        record = {
+            "step": step,
+            "loss_scale": float(opt.loss_scale.numpy()),
+            "good_steps": int(opt.good_steps.numpy()),
+            "skipped_steps": int(opt.skipped_steps.numpy()),
+            "iterations": int(opt.iterations.numpy()),
+            "learning_rate": float(np.asarray(opt.inner_optimizer.learning_rate)),
+        }
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if step == self.stall_at:
+            time.sleep(600)  # the test kills the process here, mid-epoch
+        if step + 1 >= TOTAL:
+            self.model.stop_training = True
+
+
+def build():
+    keras.config.set_dtype_policy("float16")  # float16 parameters: master weights matter
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(1, dtype="float32"),
+        ]
+    )
+    optimizer = kmix.wrap(
+        keras.optimizers.Adam(1e-2), master_weights=True, initial_scale=2.0**10, growth_interval=4
+    )
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+def final_state(model, position):
+    """Every model and optimizer variable by path, and where this process resumed."""
+    # By position: an optimizer built by BackupAndRestore names its slots under another
+    # scope ("loss_scale_optimizer/adam/..." instead of "adam/..."); the order is the same.
+    arrays = {f"model/{i:03d}": v.numpy() for i, v in enumerate(model.variables)}
+    arrays.update({f"optimizer/{i:03d}": v.numpy() for i, v in enumerate(model.optimizer.variables)})
+    arrays["resumed_from_step"] = np.asarray(position.start)
+    arrays["first_epoch"] = np.asarray(position.first_batch["epoch"])
+    arrays["first_batch"] = np.asarray(position.first_batch["batch"])
+    return arrays
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backup", required=True)
+    parser.add_argument("--log", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--stall-at", type=int)
+    args = parser.parse_args()
+    tf.config.experimental.enable_op_determinism()
+
+    model = build()
+    position = DataPosition()
+    data = tf.data.Dataset.from_generator(
+        position.stream,
+        output_signature=(
+            tf.TensorSpec((BATCH, FEATURES), tf.float32),
+            tf.TensorSpec((BATCH, 1), tf.float32),
+        ),
+    )
+    callbacks = [
+        kmix.callbacks.LearningRateWarmup(WARMUP_STEPS),
+        keras.callbacks.BackupAndRestore(args.backup, save_freq=SAVE_FREQ),
+        position,  # after BackupAndRestore: reads the restored counters
+        StepLog(args.log, args.stall_at),
+    ]
+    model.fit(data, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH, callbacks=callbacks, shuffle=False, verbose=0)
+    np.savez(args.out, **final_state(model, position))
+
+
+if __name__ == "__main__":
+    main()
