@@ -51,13 +51,6 @@ class Worker:
             stderr=subprocess.STDOUT,
         )
 
-    def wait(self, deadline):
-        """The exit code, or None if it is still running at `deadline` (a `time.monotonic`)."""
-        try:
-            return self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            return None
-
     def kill(self):
         """SIGKILL if still running; reaps the process."""
         if self.process.poll() is None:
@@ -80,12 +73,20 @@ class Worker:
 def run_all(workers, timeout):
     """Waits for every worker (at most `timeout` seconds in all); kills them all in the end.
 
+    As soon as one worker fails the others are killed too: a multi-worker peer
+    whose partner died would otherwise wait for it until the deadline.
+
     Returns:
         The exit codes, None for a worker that had to be killed.
     """
     deadline = time.monotonic() + timeout
     try:
-        return [w.wait(deadline) for w in workers]
+        while True:
+            codes = [w.process.poll() for w in workers]
+            failed = any(c not in (None, 0) for c in codes)
+            if None not in codes or failed or time.monotonic() >= deadline:
+                return codes
+            time.sleep(0.2)
     finally:
         for w in workers:
             w.kill()
