@@ -11,7 +11,8 @@ with "Attempt to convert a value (PerReplica ...)" (keras-team/keras#20585;
 reproduced with TensorFlow 2.21 / Keras 3.15). Under `MirroredStrategy` (one
 machine, several GPUs) `fit` works; see docs/distributed.md. `--fit` tries it.
 
-Running on several machines: start this same script once per machine, each
+Run it from the repository root with kmix installed (`pip install -e .`, or
+`PYTHONPATH=.`). On several machines: start this same script once per machine, each
 with a `TF_CONFIG` that lists every worker and says which one it is. Machine 0:
 
     export TF_CONFIG='{"cluster": {"worker": ["host0:12345", "host1:12345"]},
