@@ -1,0 +1,180 @@
+"""kmix.autocast: moves exactly the listed layers, keeps the weights and the predictions."""
+
+import keras
+import numpy as np
+import pytest
+
+import kmix
+from kmix.layers import WithPolicy
+from kmix.policy import autocast
+from tests.testing import assert_model_round_trip
+
+
+def transformer_block():
+    """A float32 model with one layer of each kind autocast tells apart."""
+    inputs = keras.Input((6, 8), name="x")
+    h = keras.layers.Dense(16, name="proj")(inputs)
+    h = keras.layers.LayerNormalization(name="ln")(h)
+    a = keras.layers.MultiHeadAttention(2, 8, name="mha")(h, h)
+    h = keras.layers.Add(name="add")([h, a])
+    h = keras.layers.Conv1D(8, 3, padding="same", name="conv")(h)
+    s = keras.layers.Softmax(name="sm")(keras.layers.Dense(6, name="scores")(h))
+    p = keras.layers.Activation("softmax", name="probs")(keras.layers.Dense(4, name="pre_probs")(h))
+    h = keras.layers.Concatenate(name="cat")([s, p])
+    h = keras.layers.Flatten(name="flat")(h)
+    logits = keras.layers.Dense(3, name="logits")(h)
+    log_probs = keras.layers.Activation("log_softmax", name="log_probs")(logits)
+    return keras.Model(inputs, [logits, log_probs], name="block")
+
+
+# Written out by hand from the rules: name -> (policy after O1, class after).
+EXPECTED_O1 = {
+    "proj": ("mixed_float16", keras.layers.Dense),
+    "ln": ("float32", keras.layers.LayerNormalization),
+    "mha": ("mixed_float16", kmix.layers.MultiHeadAttention),
+    "add": ("mixed_float16", keras.layers.Add),
+    "conv": ("mixed_float16", keras.layers.Conv1D),
+    "scores": ("mixed_float16", keras.layers.Dense),
+    "sm": ("mixed_float16", kmix.layers.Softmax),
+    "pre_probs": ("mixed_float16", keras.layers.Dense),
+    "probs": ("float32", keras.layers.Activation),
+    "cat": ("mixed_float16", keras.layers.Concatenate),
+    "flat": ("mixed_float16", keras.layers.Flatten),
+    "logits": ("float32", keras.layers.Dense),  # produces an output
+    "log_probs": ("float32", keras.layers.Activation),
+}
+
+
+def placements(model):
+    return {
+        layer.name: (layer.dtype_policy.name, type(layer))
+        for layer in model.layers
+        if not isinstance(layer, keras.layers.InputLayer)
+    }
+
+
+def sample(shape=(4, 6, 8), seed=0):
+    return np.random.default_rng(seed).normal(size=shape).astype("float32")
+
+
+def test_o1_moves_exactly_the_listed_layers():
+    model = transformer_block()
+    new, table = autocast(model, "O1", return_table=True)
+    assert placements(new) == EXPECTED_O1
+    assert {row.layer: row.after for row in table} == {k: v[0] for k, v in EXPECTED_O1.items()}
+    assert all(row.before == "float32" for row in table)
+    assert sorted(table.moved()) == sorted(k for k, (p, _) in EXPECTED_O1.items() if p != "float32")
+    assert isinstance(new, keras.Model) and new is not model
+    # The original is untouched.
+    assert {p for p, _ in placements(model).values()} == {"float32"}
+
+
+def test_same_predictions_within_half_rounding():
+    model = transformer_block()
+    x = sample()
+    expected = model.predict(x, verbose=0)
+    for policy, tol in (("O1", 2e-2), (kmix.Policy("O1", half="bfloat16"), 1e-1)):
+        got = autocast(model, policy).predict(x, verbose=0)
+        for e, g in zip(expected, got):
+            assert g.dtype == np.float32  # output layers run in float32
+            np.testing.assert_allclose(g, e, atol=tol * np.abs(e).max())
+
+
+def test_weights_are_copied_in_the_new_dtypes():
+    model = transformer_block()
+    new = autocast(model, "O2")
+    for old_layer in model.layers:
+        new_layer = new.get_layer(old_layer.name)
+        for a, b in zip(old_layer.weights, new_layer.weights):
+            a = keras.ops.convert_to_numpy(a)
+            b = keras.ops.convert_to_numpy(b)
+            np.testing.assert_array_equal(b, a.astype(b.dtype))
+    assert new.get_layer("proj").kernel.dtype == "float16"  # O2: half params
+    assert new.get_layer("ln").gamma.dtype == "float32"  # normalization in float32
+
+
+def test_float32_layers_by_class_and_name():
+    new, table = autocast(transformer_block(), "O1", float32_layers=[keras.layers.Conv1D, "cat"], return_table=True)
+    expected = dict(EXPECTED_O1, conv=("float32", keras.layers.Conv1D), cat=("float32", keras.layers.Concatenate))
+    assert placements(new) == expected
+    assert {row.layer: row.reason for row in table}["cat"] == "float32_layers"
+
+
+def test_unknown_name_and_bad_entries():
+    with pytest.raises(ValueError, match=r"\['nope'\].*Its layers are"):
+        autocast(transformer_block(), float32_layers=["nope"])
+    with pytest.raises(TypeError, match="float32_layers"):
+        autocast(transformer_block(), float32_layers=[3])
+
+
+def test_o3_is_pure_half_and_o0_pure_float32():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = transformer_block()
+    keras.config.set_dtype_policy("float32")
+    pure = placements(autocast(model, "O3"))
+    assert pure == {k: ("float16", type(model.get_layer(k))) for k in EXPECTED_O1}  # no swaps either
+    full = placements(autocast(model, "O0"))
+    assert {p for p, _ in full.values()} == {"float32"}
+
+
+def test_sequential_gives_a_functional_model():
+    seq = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8), keras.layers.BatchNormalization(), keras.layers.Dense(2)],
+        name="seq",
+    )
+    new = autocast(seq, "O1")
+    assert not isinstance(new, keras.Sequential)
+    assert [layer.dtype_policy.name for layer in new.layers[1:]] == ["mixed_float16", "float32", "float32"]
+    x = sample((3, 4))
+    np.testing.assert_allclose(new.predict(x, verbose=0), seq.predict(x, verbose=0), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="not built"):
+        autocast(keras.Sequential([keras.layers.Dense(2)]))
+
+
+def test_subclassed_model_is_refused_with_advice():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.dense(x)
+
+    net = Net()
+    net(np.ones((1, 3), np.float32))
+    with pytest.raises(TypeError, match=r"Net.*set_policy.*WithPolicy"):
+        autocast(net)
+
+
+def test_nested_model_and_with_policy():
+    inner_in = keras.Input((8,))
+    inner = keras.Model(inner_in, keras.layers.Dense(4, name="inner_out")(keras.layers.Dense(8, name="inner_a")(inner_in)), name="inner")
+    inputs = keras.Input((8,))
+    h = WithPolicy(keras.layers.Dense(8, name="kept"), "O2", name="wp")(inputs)
+    model = keras.Model(inputs, inner(h))
+    new, table = autocast(model, "O1", return_table=True)
+    rows = {row.layer: row for row in table}
+    assert rows["wp"].after == "float16" and rows["wp"].reason == "WithPolicy: kept"
+    assert rows["inner_a"].after == "mixed_float16"
+    assert rows["inner_out"].after == "float32"  # it produces the outer model's output
+    new2 = autocast(model, "O1", float32_layers=["inner"])
+    assert new2.get_layer("inner").get_layer("inner_a").dtype_policy.name == "float32"
+
+
+def test_table_is_printed(capsys):
+    autocast(transformer_block(), "O1", verbose=True)
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split() == ["layer", "class", "before", "after", "why"]
+    assert "MultiHeadAttention -> kmix.layers.MultiHeadAttention" in out
+
+
+def test_result_saves_and_trains():
+    new = autocast(transformer_block(), "O1")
+    x = sample((8, 6, 8))
+    y = np.random.default_rng(1).normal(size=(8, 3)).astype("float32")
+    with kmix.policy_scope("O1"):
+        new.compile(optimizer=kmix.wrap(keras.optimizers.Adam(1e-3)), loss=["mse", None])
+    loss = new.evaluate(x, [y, y], verbose=0)
+    history = new.fit(x, [y, y], epochs=3, verbose=0)
+    assert np.isfinite(history.history["loss"]).all() and history.history["loss"][-1] < np.ravel(loss)[0]
+    assert_model_round_trip(new, x)

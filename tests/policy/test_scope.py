@@ -1,0 +1,84 @@
+"""set_policy / policy_scope / active_policy: what they set and what they restore."""
+
+import threading
+
+import keras
+import pytest
+
+import kmix
+from kmix.optimizers import master_weights
+from kmix.policy import Policy, _state, active_policy, policy_scope, set_policy
+
+
+def test_set_policy_sets_keras_and_kmix():
+    p = set_policy("O2", half="bfloat16")
+    assert p == Policy("O2", half="bfloat16")
+    assert keras.config.dtype_policy().name == "bfloat16"
+    assert active_policy() is p
+    assert keras.layers.Dense(2).dtype_policy.variable_dtype == "bfloat16"
+
+
+def test_active_policy_is_none_before_and_after_keras_changes():
+    assert active_policy() is None
+    set_policy("O1")
+    assert active_policy() == Policy("O1")
+    keras.config.set_dtype_policy("float32")
+    assert active_policy() is None
+
+
+def test_auto_master_weights_follows_the_policy():
+    # O2 and O3 set the same Keras policy; only kmix's state tells them apart.
+    set_policy("O2")
+    assert master_weights.auto_master_weights() is True
+    set_policy("O3")
+    assert master_weights.auto_master_weights() is False
+    set_policy("O1")
+    assert master_weights.auto_master_weights() is True  # float32 params: nothing to copy, harmless
+
+
+def test_scope_restores_previous_state():
+    set_policy("O1")
+    outer_keras = keras.config.dtype_policy()
+    with policy_scope("O3", half="bfloat16") as p:
+        assert p == Policy("O3", half="bfloat16")
+        assert keras.config.dtype_policy().name == "bfloat16"
+        assert active_policy() is p
+        with policy_scope("float32"):
+            assert active_policy() == Policy("float32")
+        assert active_policy() is p
+    assert keras.config.dtype_policy() is outer_keras
+    assert active_policy() == Policy("O1")
+
+
+def test_scope_restores_on_exception():
+    keras.config.set_dtype_policy("mixed_bfloat16")  # set by plain Keras: kmix has none
+    with pytest.raises(RuntimeError, match="boom"):
+        with policy_scope("O2"):
+            assert active_policy() == Policy("O2")
+            raise RuntimeError("boom")
+    assert keras.config.dtype_policy().name == "mixed_bfloat16"
+    assert active_policy() is None
+
+
+def test_scope_with_bad_spec_changes_nothing():
+    set_policy("O1")
+    saved = _state.save()
+    with pytest.raises(ValueError, match="'O9'"):
+        with policy_scope("O9"):
+            pass  # pragma: no cover
+    assert keras.config.dtype_policy().name == "mixed_float16"
+    assert _state.save() == saved
+
+
+def test_state_is_per_thread_like_keras():
+    set_policy("O2")
+    seen = {}
+    thread = threading.Thread(target=lambda: seen.update(p=active_policy(), k=keras.config.dtype_policy().name))
+    thread.start()
+    thread.join()
+    assert seen == {"p": None, "k": "float32"}
+    assert active_policy() == Policy("O2")
+
+
+def test_exported_from_kmix():
+    assert kmix.policy.set_policy is set_policy
