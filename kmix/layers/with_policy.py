@@ -147,8 +147,9 @@ def _apply_policy(layer, policy):
         if sub.built and sub.weights and sub.dtype_policy.variable_dtype != policy.params_dtype:
             floating = [v for v in sub.weights if keras.backend.is_float_dtype(v.dtype)]
             if any(keras.backend.standardize_dtype(v.dtype) != policy.params_dtype for v in floating):
+                where = "" if sub is layer else f" (in {layer.name!r})"
                 raise ValueError(
-                    f"Layer {sub.name!r} (in {layer.name!r}) is already built with "
+                    f"Layer {sub.name!r}{where} is already built with "
                     f"{sub.dtype_policy.variable_dtype} variables, but policy {policy.spec!r} "
                     f"keeps parameters in {policy.params_dtype}. Received: layer={layer.name!r}, "
                     f"policy={policy!r}. Wrap the layer before it is built (before its first "

@@ -55,7 +55,8 @@ _HALF_LAYERS = tuple(
 )
 
 Placement = collections.namedtuple("Placement", "layer cls before after reason")
-Placement.__doc__ = """One row of `autocast`'s table: a layer's name, class, policy before and after, and why."""
+Placement.__doc__ = """One row of `autocast`'s table: a layer's name and class, its policy
+before and after, and the rule that placed it."""
 
 
 class AutocastTable(list):
@@ -101,8 +102,10 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
             `Placement(layer, cls, before, after, reason)` rows).
 
     Returns:
-        The new functional model (uncompiled: compile it with
-        `kmix.wrap(optimizer)`), or `(model, table)` with `return_table=True`.
+        The new functional model, uncompiled, or `(model, table)` with
+        `return_table=True`. The global policy is left as it was: compile
+        inside `kmix.policy_scope(policy)` so that `kmix.wrap` picks the loss
+        scaling and master weights the policy needs.
 
     Raises:
         TypeError: for a subclassed model, whose layer graph is not known.
@@ -113,7 +116,8 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
 
     >>> fast, table = kmix.autocast(model, "O1", float32_layers=["logits"], return_table=True)
     >>> print(table)
-    >>> fast.compile(optimizer=kmix.wrap("adam"), loss="mse")
+    >>> with kmix.policy_scope("O1"):
+    ...     fast.compile(optimizer=kmix.wrap("adam"), loss="mse")
     """
     policy = Policy(policy)
     graph = _as_functional(model)
@@ -176,7 +180,8 @@ def _split_float32_layers(float32_layers):
         else:
             raise TypeError(
                 "`float32_layers` must hold layer classes or layer names. "
-                f"Received: {item!r} (of type {type(item).__name__}) in float32_layers={float32_layers!r}."
+                f"Received: {item!r} (of type {type(item).__name__}) in "
+                f"float32_layers={float32_layers!r}."
             )
     return tuple(classes), names
 

@@ -47,11 +47,14 @@ class MemoryReport(dict):
 
     def __str__(self):
         header = ["policy", "params", "master weights", "grads", "optimizer slots", "activations", "total"]
-        rows = [header] + [
-            [name] + [_format_bytes(row[part]) for part in _PARTS + ("total",)] for name, row in self.items()
-        ]
+        rows = [header]
+        for name, row in self.items():
+            rows.append([name] + [_format_bytes(row[part]) for part in _PARTS + ("total",)])
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        lines = ["  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths))) for r in rows]
+        lines = [
+            "  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths)))
+            for r in rows
+        ]
         lines.insert(1, "  ".join("-" * w for w in widths))
         batch = f", batch size {self.batch_size}" if self.batch_size is not None else ""
         lines.append(
@@ -141,7 +144,9 @@ def _count(model, batch_size):
     if batch_size is None:
         return trainable, non_trainable, None
     if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
-        raise ValueError(f"`batch_size` must be an int >= 1 or None. Received: batch_size={batch_size!r}.")
+        raise ValueError(
+            f"`batch_size` must be an int >= 1 or None. Received: batch_size={batch_size!r}."
+        )
     per_sample = _activations_per_sample(model)
     return trainable, non_trainable, None if per_sample is None else per_sample * batch_size
 

@@ -13,7 +13,7 @@ spellings:
 | `"float32"`                           | f32    | f32     | f32    | no         | no             |
 | `"mixed_float16"` / `"mixed_bfloat16"`| f32    | half    | half   | if f16     | no             |
 | `"float16"` / `"bfloat16"`            | half   | half    | half   | if f16     | no             |
-| `"params=f32,compute=f16,output=f32"` | as written              | if f16     | if half params |
+| `"p=f32,c=f16,o=f32"` (jmp-style)     | any    | any     | any    | if f16     | if half params |
 
 `half` (float16 by default) is the half dtype of the opt levels. Keras names
 keep Keras's meaning: a Keras layer returns its compute dtype.
@@ -30,7 +30,14 @@ _DTYPES = {
     "bf16": "bfloat16",
 }
 _HALF = ("float16", "bfloat16")
-_KEYS = {"params": "params", "p": "params", "compute": "compute", "c": "compute", "output": "output", "o": "output"}
+_KEYS = {
+    "params": "params",
+    "p": "params",
+    "compute": "compute",
+    "c": "compute",
+    "output": "output",
+    "o": "output",
+}
 _OPT_LEVELS = ("O0", "O1", "O2", "O3")
 _KERAS_NAMES = ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16")
 _ACCEPTED = (
@@ -76,17 +83,18 @@ class Policy:
 
     def __init__(self, spec, half=None):
         if isinstance(spec, Policy):
-            if half is not None and half != spec.half:
-                raise ValueError(
-                    f"`half` conflicts with the policy given. Received: spec={spec!r}, half={half!r}."
-                )
-            spec, half = spec.spec, spec.half
+            spec, half = spec.spec, spec.half if half is None else half
         elif isinstance(spec, keras.DTypePolicy):
             if spec.quantization_mode is not None:
-                raise ValueError(f"Quantized policies are not mixed-precision policies. Received: spec={spec!r}.")
+                raise ValueError(
+                    f"Quantized policies are not mixed-precision policies. Received: spec={spec!r}."
+                )
             spec = spec.name
         if not isinstance(spec, str):
-            raise TypeError(f"`spec` must be a string or a policy. Received: spec={spec!r} (of type {type(spec).__name__}). Accepted: {_ACCEPTED}.")
+            raise TypeError(
+                f"`spec` must be a string or a policy. Received: spec={spec!r} "
+                f"(of type {type(spec).__name__}). Accepted: {_ACCEPTED}."
+            )
         stripped = spec.strip()
         if stripped in _OPT_LEVELS:
             canonical, half = stripped, _parse_half(half)
@@ -229,7 +237,9 @@ def _parse_half(half):
         return "float16"
     dtype = _DTYPES.get(half) if isinstance(half, str) else None
     if dtype not in _HALF:
-        raise ValueError(f"`half` must be 'float16' (or 'f16') or 'bfloat16' (or 'bf16'). Received: half={half!r}.")
+        raise ValueError(
+            f"`half` must be 'float16' (or 'f16') or 'bfloat16' (or 'bf16'). Received: half={half!r}."
+        )
     return dtype
 
 
@@ -282,9 +292,11 @@ def _check_expressible(spec, dtypes):
 
 def _cast_floating(x, dtype):
     def cast(t):
-        if hasattr(t, "dtype") and keras.backend.is_float_dtype(keras.backend.standardize_dtype(t.dtype)):
-            if keras.backend.standardize_dtype(t.dtype) != dtype:
-                return keras.ops.cast(t, dtype)
+        if not hasattr(t, "dtype"):
+            return t
+        current = keras.backend.standardize_dtype(t.dtype)
+        if keras.backend.is_float_dtype(current) and current != dtype:
+            return keras.ops.cast(t, dtype)
         return t
 
     return keras.tree.map_structure(cast, x)

@@ -68,6 +68,14 @@ def test_equality_is_behaviour_not_spelling():
     assert Policy("O1") != "O1"
 
 
+def test_policy_given_as_spec_keeps_or_replaces_its_half():
+    p = Policy("O2", half="bfloat16")
+    assert Policy(p).half == "bfloat16"
+    assert Policy(p, half="f16") == Policy("O2")
+    with pytest.raises(ValueError, match="only applies to opt levels"):
+        Policy(Policy("float16"), half="bfloat16")
+
+
 def test_keras_dtype_policy_is_accepted():
     assert Policy(keras.DTypePolicy("mixed_bfloat16")) == Policy("mixed_bfloat16")
 
