@@ -1,0 +1,136 @@
+"""Helpers shared by kmix's callbacks: finding the optimizers, reading scalars, checks."""
+
+import numbers
+
+import keras
+import numpy as np
+
+from kmix.optimizers import LossScaleOptimizer
+
+
+def model_optimizer(model, caller):
+    """`model.optimizer`, or a clear error when the model is not compiled."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        raise ValueError(
+            f"{caller} needs a compiled model; received a model with no optimizer. "
+            "Call `model.compile(optimizer=...)` before `model.fit`."
+        )
+    return optimizer
+
+
+def loss_scale_optimizer(model, caller):
+    """`model.optimizer` if it is a `kmix.LossScaleOptimizer`; raises otherwise."""
+    optimizer = model_optimizer(model, caller)
+    if isinstance(optimizer, LossScaleOptimizer):
+        return optimizer
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        hint = (
+            "Keras's own LossScaleOptimizer has no skip counter nor adjustable growth "
+            "interval; compile with `optimizer=kmix.wrap(opt)` instead (a float16 policy "
+            "makes Keras wrap the optimizer by itself)."
+        )
+    else:
+        hint = "Compile with `optimizer=kmix.wrap(opt)`."
+    raise ValueError(
+        f"{caller} needs a kmix.LossScaleOptimizer as the model's optimizer. Received: "
+        f"model.optimizer={type(optimizer).__name__}. {hint}"
+    )
+
+
+def build_optimizer(model):
+    """Builds `model.optimizer` on the model's trainable variables if it is not built yet.
+
+    Without a distribution strategy, Keras's TensorFlow trainer builds the
+    optimizer inside the first traced step, i.e. after `on_train_begin`; a
+    callback that must set or copy optimizer state before the first step
+    builds it the way Keras's own symbolic build does. Possible only once the
+    model itself is built (a `keras.Input`, or called on a batch).
+
+    Returns:
+        Whether the optimizer is built now.
+    """
+    optimizer = model.optimizer
+    if not optimizer.built and model.built:
+        optimizer.build(model.trainable_variables)
+    return optimizer.built
+
+
+def holder_of_learning_rate(optimizer):
+    """The optimizer object whose `learning_rate` is the real one (the inner one if wrapped)."""
+    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
+def learning_rate_of(optimizer):
+    """The learning-rate object itself: a `keras.Variable`, a schedule or a callable.
+
+    Keras has no public accessor for it: `optimizer.learning_rate` *evaluates*
+    a schedule, and `get_config()` returns a serialized copy (which fails for
+    an unregistered schedule). So this reads the private `_learning_rate`
+    attribute, the one place kmix's callbacks do; the public setter
+    `optimizer.learning_rate = ...` is used to change it.
+    """
+    return holder_of_learning_rate(optimizer)._learning_rate
+
+
+def set_learning_rate(optimizer, value):
+    """Sets the learning rate of `optimizer` (of the inner optimizer if wrapped)."""
+    holder_of_learning_rate(optimizer).learning_rate = value
+
+
+def read(variable):
+    """A Python number from a scalar variable or tensor (one device-to-host copy)."""
+    return np.asarray(to_numpy(variable)).item()
+
+
+def to_numpy(value):
+    """A numpy copy of a variable or eager tensor (`.numpy()`: no numpy-2 copy warning)."""
+    if hasattr(value, "numpy"):
+        return np.array(value.numpy(), copy=True)
+    return np.array(keras.ops.convert_to_numpy(value), copy=True)
+
+
+def steps_run(optimizer):
+    """Steps the loss-scale optimizer has seen: applied (`iterations`) + skipped."""
+    return read(optimizer.iterations) + read(optimizer.skipped_steps)
+
+
+def retrace(model):
+    """Makes `model.fit` trace its train step again (after a learning-rate object changed).
+
+    A traced step has the old schedule baked in; a variable learning rate is
+    read at run time and needs no retrace.
+    """
+    if getattr(model, "train_function", None) is not None:
+        model.make_train_function(force=True)
+
+
+def positive_int(name, value, minimum=1):
+    """`value` as an int >= `minimum`; raises naming `name` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"`{name}` must be an int >= {minimum}. Received: {name}={value!r} "
+            f"(of type {type(value).__name__})."
+        )
+    if value < minimum:
+        raise ValueError(f"`{name}` must be an int >= {minimum}. Received: {name}={value!r}")
+    return int(value)
+
+
+def real(name, value, low=None, high=None, low_open=False, high_open=False):
+    """`value` as a float within the given bounds; raises naming `name` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"`{name}` must be a number. Received: {name}={value!r} (of type {type(value).__name__})."
+        )
+    value = float(value)
+    below = low is not None and (value <= low if low_open else value < low)
+    above = high is not None and (value >= high if high_open else value > high)
+    if below or above or value != value:
+        lo = "(" if low_open else "["
+        hi = ")" if high_open else "]"
+        interval = f"{lo}{low if low is not None else '-inf'}, {high if high is not None else 'inf'}{hi}"
+        raise ValueError(f"`{name}` must be in {interval}. Received: {name}={value!r}")
+    return value

@@ -1,0 +1,173 @@
+"""`kmix.callbacks.LossScaleMonitor`: the loss scale and skipped steps in the logs."""
+
+import warnings
+
+import keras
+
+from kmix.callbacks import _common
+
+ON_MIN_SCALE = ("warn", "raise", "ignore")
+
+
+@keras.saving.register_keras_serializable(package="kmix")
+class LossScaleMonitor(keras.callbacks.Callback):
+    """Logs what the loss scale is doing and reports the gradients that overflow.
+
+    Batch logs get `loss_scale` (the optimizer's current scale) and
+    `skipped_steps` (all steps it skipped so far); epoch logs get both plus
+    `overflow_rate`, the fraction of the epoch's steps that were skipped.
+    Keras passes one logs dict along `callbacks=` in order, so the monitor
+    must come *before* the callbacks that should see these keys:
+    `CSVLogger`, `keras.callbacks.TensorBoard`, `ModelCheckpoint(monitor=...)`.
+    The progress bar and `History` are appended by `fit` after every user
+    callback, so they always see them.
+
+    When a step overflows while the scale is already at its floor
+    (`min_scale`), loss scaling cannot help any more: `on_min_scale="warn"`
+    warns once per `fit`, `"raise"` stops training with a
+    `FloatingPointError` naming the step and the scale, `"ignore"` does
+    nothing. At the end of training, if any step was skipped during it, the
+    optimizer's `overflow_report()` is printed: the variables whose gradients
+    overflowed most, i.e. the layers that may need float32.
+
+    It only reads a few scalar variables between steps (Keras already copies
+    the loss to the host then); nothing is added to the compiled step. Under
+    `steps_per_execution > 1` it sees the state after each execution.
+
+    Args:
+        on_min_scale: `"warn"`, `"raise"` or `"ignore"`.
+        log_every: write the batch logs every `log_every` batches (calls of
+            `on_train_batch_end`), an int >= 1; the min-scale check and the
+            epoch logs are not thinned.
+
+    Attributes:
+        report: the last `overflow_report()` printed (a list of
+            `(variable_path, count)`), `[]` when no step was skipped.
+
+    Example:
+
+    >>> model.compile(optimizer=kmix.wrap(keras.optimizers.Adam()), loss="mse")
+    >>> history = model.fit(x, y, callbacks=[kmix.callbacks.LossScaleMonitor(),
+    ...                                      keras.callbacks.CSVLogger("log.csv")])
+    >>> history.history["loss_scale"], history.history["overflow_rate"]
+    """
+
+    def __init__(self, on_min_scale="warn", log_every=1):
+        super().__init__()
+        if on_min_scale not in ON_MIN_SCALE:
+            raise ValueError(
+                f"`on_min_scale` must be one of {', '.join(repr(v) for v in ON_MIN_SCALE)}. "
+                f"Received: on_min_scale={on_min_scale!r}"
+            )
+        self.on_min_scale = on_min_scale
+        self.log_every = _common.positive_int("log_every", log_every)
+        self.report = []
+
+    def on_train_begin(self, logs=None):
+        """Records the counters training starts from."""
+        self._optimizer = _common.loss_scale_optimizer(self.model, type(self).__name__)
+        # An optimizer Keras builds in the first step starts from zero counts.
+        self._skipped_at_train_begin = self._counter("skipped_steps")
+        self._min_overflows_seen = self._counter("min_scale_overflows")
+        self._warned = False
+        self._calls = 0
+        self._epoch = 0
+        self.report = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        """Records the skip count the epoch starts from."""
+        self._epoch = epoch
+        self._skipped_at_epoch_begin = self._counter("skipped_steps")
+        self._steps_in_epoch = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        """Adds `loss_scale` / `skipped_steps` to the logs; checks for min-scale overflows."""
+        # `batch` is the index of the last step of the execution, within the epoch.
+        self._steps_in_epoch = batch + 1
+        self._calls += 1
+        if self.on_min_scale != "ignore":
+            self._check_min_scale(batch)
+        if logs is not None and self._calls % self.log_every == 0:
+            logs.update(self._scalars())
+
+    def on_epoch_end(self, epoch, logs=None):
+        """Adds `loss_scale`, `skipped_steps` and `overflow_rate` to the epoch logs."""
+        if self.on_min_scale != "ignore":
+            self._check_min_scale(None)
+        if logs is None:
+            return
+        scalars = self._scalars()
+        skipped = scalars["skipped_steps"] - self._skipped_at_epoch_begin
+        scalars["overflow_rate"] = skipped / self._steps_in_epoch if self._steps_in_epoch else 0.0
+        logs.update(scalars)
+
+    def on_train_end(self, logs=None):
+        """Prints the optimizer's overflow report if a step was skipped during training."""
+        skipped = _common.read(self._optimizer.skipped_steps) - self._skipped_at_train_begin
+        if skipped <= 0:
+            return
+        self.report = self._optimizer.overflow_report()
+        print(format_report(self.report, skipped, _common.read(self._optimizer.loss_scale)))
+
+    def _counter(self, name):
+        return _common.read(getattr(self._optimizer, name)) if self._optimizer.built else 0
+
+    def _scalars(self):
+        return {
+            "loss_scale": float(_common.read(self._optimizer.loss_scale)),
+            "skipped_steps": int(_common.read(self._optimizer.skipped_steps)),
+        }
+
+    def _check_min_scale(self, batch):
+        count = _common.read(self._optimizer.min_scale_overflows)
+        if count <= self._min_overflows_seen:
+            return
+        new = count - self._min_overflows_seen
+        self._min_overflows_seen = count
+        scale = float(_common.read(self._optimizer.loss_scale))
+        where = f"epoch {self._epoch}" + ("" if batch is None else f", batch {batch}")
+        message = (
+            f"{new} step(s) overflowed while the loss scale was already at its minimum "
+            f"(loss_scale={scale:g}, min_scale={self._optimizer.min_scale:g}), at training step "
+            f"{_common.steps_run(self._optimizer)} ({where}). Loss scaling cannot absorb "
+            "this: the forward pass or the loss is non-finite (bad data, or an activation "
+            "beyond float16's 65504). Keep the overflowing layers in float32 "
+            "(see `optimizer.overflow_report()`), lower the learning rate, or check the data."
+        )
+        if self.on_min_scale == "raise":
+            raise FloatingPointError(message)
+        if not self._warned:
+            self._warned = True
+            warnings.warn(message + " (LossScaleMonitor warns once per fit.)", RuntimeWarning, stacklevel=2)
+
+    def get_config(self):
+        """The constructor arguments."""
+        return {"on_min_scale": self.on_min_scale, "log_every": self.log_every}
+
+    @classmethod
+    def from_config(cls, config):
+        """Re-creates the callback from `get_config()`."""
+        return cls(**config)
+
+
+def format_report(report, skipped, scale, top=10):
+    """The text `LossScaleMonitor` prints at the end of training.
+
+    Args:
+        report: `overflow_report()` rows, `(variable_path, count)`.
+        skipped: steps skipped during training.
+        scale: the loss scale at the end.
+        top: how many rows to show.
+
+    Returns:
+        A multi-line string: a summary line and a table of variables.
+    """
+    lines = [f"LossScaleMonitor: {skipped} step(s) skipped for non-finite gradients; loss scale now {scale:g}."]
+    if report:
+        width = max(len("variable"), *(len(path) for path, _ in report[:top]))
+        lines.append("Gradients that were non-finite most often (a layer at the top may need float32):")
+        lines.append(f"  {'variable':<{width}}  overflows")
+        lines.extend(f"  {path:<{width}}  {count:>9}" for path, count in report[:top])
+        if len(report) > top:
+            lines.append(f"  ... and {len(report) - top} more variable(s)")
+    return "\n".join(lines)
