@@ -254,7 +254,13 @@ def _place(layer, policy, half_compute, pure, outputs, classes, named):
     config = layer.get_config()
     if dtype is not None:
         config["dtype"] = dtype
-    new = new_cls.from_config(config)
+    if isinstance(layer, keras.layers.Lambda):
+        # The function is the user's own, in this process: reloading its bytecode is safe,
+        # and the original object (with its closure) is put back in the copy.
+        new = new_cls.from_config(config, safe_mode=False)
+        new.function = layer.function
+    else:
+        new = new_cls.from_config(config)
     cls_name = cls.__name__ if new_cls is cls else f"{cls.__name__} -> kmix.layers.{new_cls.__name__}"
     row = Placement(layer.name, cls_name, layer.dtype_policy.name, new.dtype_policy.name, reason)
     return new, row

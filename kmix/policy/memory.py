@@ -81,8 +81,9 @@ def memory_report(model, policy=_OPT_LEVELS, optimizer="adam", batch_size=None, 
         batch_size: the batch size of the activation estimate. The estimate
             is every layer's output (plus the attention scores and
             probabilities of `MultiHeadAttention`), stored in the compute
-            dtype; `None` (the default), a parameter count, or an unknown
-            dimension leaves it out.
+            dtype (a layer called several times counts once); `None` (the
+            default), a parameter count, or an unknown dimension leaves it
+            out.
         verbose: print the table.
 
     Returns:
@@ -167,7 +168,7 @@ def _activations_per_sample(model):
             continue
         try:
             outputs = keras.tree.flatten(layer.output)
-        except (AttributeError, ValueError):  # a shared layer has several outputs
+        except (AttributeError, ValueError):  # no output known for this layer
             return None
         for out in outputs:
             size = _per_sample(out.shape)

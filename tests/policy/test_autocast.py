@@ -161,6 +161,19 @@ def test_nested_model_and_with_policy():
     assert new2.get_layer("inner").get_layer("inner_a").dtype_policy.name == "float32"
 
 
+def test_shared_layers_and_lambdas_with_closures():
+    scale = 3.0
+    inputs = keras.Input((4,))
+    shared = keras.layers.Dense(4, name="shared")
+    h = keras.layers.Lambda(lambda t: t * scale, name="times_scale")(shared(shared(inputs)))
+    model = keras.Model(inputs, keras.layers.Dense(1, name="out")(h))
+    new = autocast(model, "O1")
+    assert new.get_layer("times_scale").function(2.0) == 6.0  # the user's own function, closure included
+    assert len(new.get_layer("shared").weights) == 2  # still one shared layer
+    x = sample((3, 4))
+    np.testing.assert_allclose(new.predict(x, verbose=0), model.predict(x, verbose=0), rtol=2e-2, atol=2e-2)
+
+
 def test_table_is_printed(capsys):
     autocast(transformer_block(), "O1", verbose=True)
     out = capsys.readouterr().out
