@@ -103,11 +103,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         """Prints the optimizer's overflow report if a step was skipped during training."""
-        skipped = _common.read(self._optimizer.skipped_steps) - self._skipped_at_train_begin
+        skipped = self._counter("skipped_steps") - self._skipped_at_train_begin
         if skipped <= 0:
             return
         self.report = self._optimizer.overflow_report()
-        print(format_report(self.report, skipped, _common.read(self._optimizer.loss_scale)))
+        print(_format_report(self.report, skipped, _common.read(self._optimizer.loss_scale)))
 
     def _counter(self, name):
         return _common.read(getattr(self._optimizer, name)) if self._optimizer.built else 0
@@ -115,11 +115,11 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def _scalars(self):
         return {
             "loss_scale": float(_common.read(self._optimizer.loss_scale)),
-            "skipped_steps": int(_common.read(self._optimizer.skipped_steps)),
+            "skipped_steps": int(self._counter("skipped_steps")),
         }
 
     def _check_min_scale(self, batch):
-        count = _common.read(self._optimizer.min_scale_overflows)
+        count = self._counter("min_scale_overflows")
         if count <= self._min_overflows_seen:
             return
         new = count - self._min_overflows_seen
@@ -150,7 +150,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
         return cls(**config)
 
 
-def format_report(report, skipped, scale, top=10):
+def _format_report(report, skipped, scale, top=10):
     """The text `LossScaleMonitor` prints at the end of training.
 
     Args:

@@ -51,7 +51,7 @@ class Warmup(keras.optimizers.schedules.LearningRateSchedule):
     """
 
     def __init__(self, base, warmup_steps, initial=0.0, shape="linear"):
-        self.base = check_base(base)
+        self.base = _check_base(base)
         self.warmup_steps = _check_warmup_steps(warmup_steps)
         self.initial = _check_initial(initial, shape)
         self.shape = shape
@@ -103,8 +103,8 @@ class Warmup(keras.optimizers.schedules.LearningRateSchedule):
         )
 
 
-def check_base(base, name="base"):
-    """Returns `base` as a float >= 0, or the schedule it is; raises naming `name`."""
+def _check_base(base, name="base"):
+    """`base` as a float >= 0, or the schedule it is; raises naming `name` otherwise."""
     if isinstance(base, keras.optimizers.schedules.LearningRateSchedule):
         return base
     if isinstance(base, bool) or not isinstance(base, numbers.Real):

@@ -55,8 +55,8 @@ class Recorder(keras.callbacks.Callback):
         self.logs.append(dict(logs or {}))
         opt = self.model.optimizer
         if isinstance(opt, kmix.LossScaleOptimizer):
-            self.scales.append(float(opt.loss_scale))
-            self.skipped.append(int(opt.skipped_steps))
+            self.scales.append(float(opt.loss_scale.numpy()))
+            self.skipped.append(int(opt.skipped_steps.numpy()))
 
     def first_weight(self):
         """The scalar weight of `linear_model` before training and after each batch."""
