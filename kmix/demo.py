@@ -81,7 +81,7 @@ def build_model(softmax, d_model=64, heads=4, layers=2, seed=0):
     tokens = keras.Input((MAX_LEN,), dtype="int32", name="tokens")
     mask = keras.ops.not_equal(tokens, 0)
     x = keras.layers.Embedding(VOCAB, d_model, name="embed")(tokens)
-    x = x + keras.layers.Embedding(MAX_LEN, d_model, name="position")(keras.ops.arange(MAX_LEN))
+    x = _PositionEmbedding(name="position")(x)
     for i in range(layers):
         h = keras.layers.LayerNormalization(name=f"ln_a{i}")(x)
         x = x + _Attention(d_model, heads, softmax, name=f"attention{i}")(h, mask)
@@ -119,6 +119,16 @@ class _Attention(keras.layers.Layer):
             probs = self.masked_softmax(scores, mask=keep)
         out = ops.einsum("bhqk,bhkd->bqhd", probs, v)
         return self.out(ops.reshape(out, (b, t, self.d_model)))
+
+
+class _PositionEmbedding(keras.layers.Layer):
+    """Adds a trained embedding of each position."""
+
+    def build(self, input_shape):
+        self.table = self.add_weight(shape=tuple(input_shape[1:]), initializer="random_normal", name="embeddings")
+
+    def call(self, x):
+        return x + self.table[None]
 
 
 class _MaskedMean(keras.layers.Layer):

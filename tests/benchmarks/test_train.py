@@ -1,0 +1,111 @@
+"""`python -m kmix bench train`: FLOP count, batch search, ratios, and a quick end-to-end run."""
+
+import math
+import os
+
+import keras
+import pytest
+import tensorflow as tf
+
+from kmix.benchmarks import train
+
+
+def test_configurations_in_table_order():
+    assert train.configurations(train.POLICIES, [False]) == [
+        ("float32", "keras", False),
+        ("mixed_float16", "keras", False),
+        ("mixed_float16", "kmix", False),
+        ("mixed_bfloat16", "kmix", False),
+    ]
+    assert len(train.configurations(train.POLICIES, [False, True])) == 8
+    assert train.configurations(["mixed_bfloat16"], [True]) == [("mixed_bfloat16", "kmix", True)]
+
+
+@pytest.mark.parametrize("stack", ["keras", "kmix"])
+def test_model_flops_per_token_against_a_hand_count(stack):
+    layers, d, heads, seq, vocab = 2, 16, 2, 8, 40
+    model = train.build_model(layers, d, heads, seq, vocab, stack)
+    # Per block: 2 LayerNorms (4d), Q/K/V/output projections with biases
+    # (4d^2 + 4d), MLP d -> 4d -> d (8d^2 + 5d); then the final LayerNorm and the head.
+    n = layers * (12 * d * d + 13 * d) + 2 * d + d * vocab + vocab
+    assert sum(int(w.numpy().size) for w in model.trainable_weights) == n + vocab * d + seq * d
+    assert train.model_flops_per_token(model, layers, d, seq) == 6 * n + 12 * layers * d * seq
+
+
+@pytest.mark.parametrize(
+    "threshold, start, limit, expected",
+    [
+        (37, 2, 2**16, None),  # doubling to 64 fails, bisection between 32 and 64
+        (3, 8, 2**16, 3),  # the starting batch already fails
+        (10**9, 4, 16, (16, True)),  # never fails below the limit
+        (64, 64, 2**16, None),  # exactly the start
+    ],
+)
+def test_largest_batch_doubles_then_bisects(monkeypatch, threshold, start, limit, expected):
+    tried = []
+
+    def fake_fits(policy, stack, size, batch):
+        tried.append(batch)
+        return batch <= threshold
+
+    monkeypatch.setattr(train, "fits", fake_fits)
+    batch, capped = train.largest_batch("mixed_bfloat16", "kmix", {}, start, limit)
+    if expected is not None and capped:
+        assert (batch, capped) == expected
+        return
+    assert not capped
+    if expected is not None:
+        assert batch == expected
+    assert batch <= threshold and batch >= threshold * 15 / 16  # within 1/16 below the limit
+    assert len(tried) == len(set(tried))  # no batch is tried twice
+
+
+def test_format_rows_ratios_against_float32_at_the_same_compilation():
+    def result(policy, jit, seconds, peak):
+        return {"policy": policy, "stack": "kmix", "jit_compile": jit, "step_seconds": seconds,
+                "tokens_per_second": 100 / seconds, "tflops": 1.0, "peak_bytes": peak, "loss": 1.0}
+
+    rows = train.format_rows([
+        result("float32", False, 0.4, 2**31),
+        result("mixed_bfloat16", False, 0.1, 2**30),
+        result("float32", True, 0.2, 2**31),
+        result("mixed_bfloat16", True, 0.05, 2**29),
+    ])
+    assert [r[-2] for r in rows] == [1.0, 4.0, 1.0, 4.0]
+    assert [r[-1] for r in rows] == [1.0, 0.5, 1.0, 0.25]
+    assert rows[1][6] == "1.00 GiB" and rows[3][6] == "512.0 MiB"
+
+
+def test_quick_run_prints_the_table(tmp_path, capsys):
+    path = str(tmp_path / "train.png")
+    tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
+    try:
+        out = train.main(["--quick", "--no-tf32", "--max-batch", "--plot", path])
+        assert not tf.config.experimental.tensor_float_32_execution_enabled()
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(tf32)
+        keras.config.set_dtype_policy("float32")
+    text = capsys.readouterr().out
+    assert "TF32 off" in text
+    expected = train.configurations(train.POLICIES, [False, True])
+    assert [(r["policy"], r["stack"], r["jit_compile"]) for r in out["results"]] == expected
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["policy", "stack"])
+    table = lines[header + 2: header + 2 + len(expected)]
+    assert [line.split()[:3] for line in table] == [
+        [p, s, "XLA" if j else "tf.function"] for p, s, j in expected
+    ]
+    for r in out["results"]:
+        assert r["step_seconds"] > 0 and r["tokens_per_second"] > 0 and r["tflops"] > 0
+        assert math.isfinite(r["loss"])
+        # tokens/s and TFLOP/s are the same step time seen two ways.
+        assert r["tokens_per_second"] == pytest.approx(2 * 16 / r["step_seconds"])
+    for row in out["rows"]:
+        assert row[3] > 0 and row[4] > 0 and row[5] > 0 and row[7] > 0
+    if not tf.config.list_physical_devices("GPU"):
+        assert all(r["peak_bytes"] is None for r in out["results"])
+        assert out["max_batch"] == {}
+        assert "not meaningful on a CPU" in text
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert out["plot"] == path and os.path.exists(path)
