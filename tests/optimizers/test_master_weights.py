@@ -129,3 +129,18 @@ def test_saved_and_restored_with_model_save(dtype, jit_compile):
     expected_param, expected_master = reference(dtype, x, lr, True, steps=2 * STEPS)
     assert float(keras.ops.convert_to_numpy(loaded.get_layer("w").kernel)[0, 0]) == expected_param
     np.testing.assert_allclose(master_values(loaded.optimizer), [expected_master], rtol=1e-6)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known: the float32 copies are not re-synced when model weights are set after the "
+    "optimizer is built (set_weights, load_weights of model weights only, EarlyStopping's "
+    "restore_best_weights); the next step writes the stale copy back over the new weights",
+)
+def test_weights_set_after_build_are_kept():
+    model, kernel = build("float16")
+    train(model, 1e-2, 1e-3, master_weights=True, jit_compile=False, steps=1)
+    model.set_weights([np.full((1, 1), 0.5, np.float16)])
+    fit(model, 1e-2, steps=1)
+    expected, _ = reference("float16", 1e-2, 1e-3, True, steps=1, start=0.5)
+    assert float(keras.ops.convert_to_numpy(kernel.kernel)[0, 0]) == expected
