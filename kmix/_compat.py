@@ -30,3 +30,16 @@ def no_automatic_dependency_tracking(fn):
     from keras.src.utils import tracking
 
     return tracking.no_automatic_dependency_tracking(fn)
+
+
+def learning_rate_object(optimizer):
+    """The learning-rate object a Keras optimizer holds: a variable, a schedule or a callable.
+
+    Keras has no public accessor for it: `optimizer.learning_rate` evaluates a
+    schedule, and `get_config()` returns a serialized copy (which fails for an
+    unregistered schedule). kmix's callbacks need the object itself to wrap a
+    schedule (warm-up, NaNGuard's rate cut), so this reads the private
+    `_learning_rate`; the public setter `optimizer.learning_rate = ...`
+    changes it.
+    """
+    return optimizer._learning_rate

@@ -5,6 +5,7 @@ import numbers
 import keras
 import numpy as np
 
+from kmix import _compat
 from kmix.optimizers import LossScaleOptimizer
 
 
@@ -64,15 +65,8 @@ def holder_of_learning_rate(optimizer):
 
 
 def learning_rate_of(optimizer):
-    """The learning-rate object itself: a `keras.Variable`, a schedule or a callable.
-
-    Keras has no public accessor for it: `optimizer.learning_rate` *evaluates*
-    a schedule, and `get_config()` returns a serialized copy (which fails for
-    an unregistered schedule). So this reads the private `_learning_rate`
-    attribute, the one place kmix's callbacks do; the public setter
-    `optimizer.learning_rate = ...` is used to change it.
-    """
-    return holder_of_learning_rate(optimizer)._learning_rate
+    """The learning-rate object itself (a `keras.Variable`, a schedule or a callable)."""
+    return _compat.learning_rate_object(holder_of_learning_rate(optimizer))
 
 
 def set_learning_rate(optimizer, value):

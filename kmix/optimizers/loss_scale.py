@@ -259,7 +259,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             A list of `(variable_path, count)` with `count > 0`, sorted by count
             (descending), then path.
         """
-        counts = [int(c) for c in keras.ops.convert_to_numpy(self.overflow_counts)]
+        counts = [int(c) for c in tf.convert_to_tensor(self.overflow_counts).numpy()]
         rows = sorted(
             ((p, c) for p, c in zip(self._variable_paths, counts) if c > 0),
             key=lambda row: (-row[1], row[0]),
@@ -365,6 +365,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return
         indices = [self._index[id(v)] for v in variables]
         masters = [self._masters.get(i, v) for i, v in zip(indices, variables)]
+        mw.sync_from_model(self._masters, self._model_variables, indices)
         self.inner_optimizer.apply(unscaled, masters)
         mw.copy_to_model(self._masters, self._model_variables, indices)
 
@@ -373,7 +374,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         one = tf.constant(1, tf.int64)
         zero = tf.constant(0, tf.int64)
         good = tf.where(finite, tf.convert_to_tensor(self.step_counter) + 1, 0)
-        grow = tf.logical_and(finite, tf.equal(tf.cast(good, tf.int64), self._growth_interval_var))
+        # `>=` rather than `==`: the same trajectory, and safe when LossScaleWarmup
+        # lowers the interval below a count that has already passed it.
+        grow = tf.logical_and(finite, tf.cast(good, tf.int64) >= self._growth_interval_var)
         grow = tf.logical_and(grow, self.dynamic)
         hysteresis_left = tf.where(
             finite,

@@ -56,6 +56,21 @@ def create_masters(optimizer, var_list):
     return masters
 
 
+def sync_from_model(masters, model_variables, indices):
+    """Adopts model values that were changed behind the optimizer's back.
+
+    `set_weights`, loading weights or `EarlyStopping(restore_best_weights=True)`
+    write the half variables directly; where a copy no longer rounds to its
+    variable, the variable's value wins (elsewhere the copy keeps the low bits
+    the half variable cannot hold).
+    """
+    for i in indices:
+        if i in masters:
+            v, m = model_variables[i], masters[i]
+            current = tf.convert_to_tensor(v)
+            m.assign(tf.where(tf.cast(m, v.dtype) == current, m, tf.cast(current, tf.float32)))
+
+
 def copy_to_model(masters, model_variables, indices):
     """Writes the float32 copies at `indices` back into the model's half variables."""
     for i in indices:

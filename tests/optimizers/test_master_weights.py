@@ -131,12 +131,6 @@ def test_saved_and_restored_with_model_save(dtype, jit_compile):
     np.testing.assert_allclose(master_values(loaded.optimizer), [expected_master], rtol=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known: the float32 copies are not re-synced when model weights are set after the "
-    "optimizer is built (set_weights, load_weights of model weights only, EarlyStopping's "
-    "restore_best_weights); the next step writes the stale copy back over the new weights",
-)
 def test_weights_set_after_build_are_kept():
     model, kernel = build("float16")
     train(model, 1e-2, 1e-3, master_weights=True, jit_compile=False, steps=1)
