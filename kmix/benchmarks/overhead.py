@@ -4,7 +4,8 @@ A compiled model with many small variables makes the per-variable work of a
 loss-scale optimizer (finite checks, unscaling, counters) as visible as it
 can be. Both optimizers train the same model on the same data; runs alternate
 (A, B, A, B, ...) so that drift on a shared machine hits both, and the
-reported ratio is the median of the per-round ratios.
+reported ratio is that of the fastest round of each (the least disturbed
+estimate on a busy machine), with the median ratio of the rounds beside it.
 """
 
 import argparse
@@ -33,7 +34,7 @@ def build_and_compile(kind, layers, width, jit_compile, seed=0):
     return model
 
 
-def measure(layers=64, width=16, batch=32, steps=50, rounds=5, jit_compile=False):
+def measure(layers=64, width=16, batch=32, steps=200, rounds=5, jit_compile=False):
     """Returns `{kind: [seconds per step, one per round]}` for "keras" and "kmix"."""
     import keras
 
@@ -62,7 +63,7 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=64, help="Dense layers (2 variables each); default 64")
     parser.add_argument("--width", type=int, default=16, help="units per layer; default 16")
     parser.add_argument("--batch", type=int, default=32, help="batch size; default 32")
-    parser.add_argument("--steps", type=int, default=50, help="steps per timed round; default 50")
+    parser.add_argument("--steps", type=int, default=200, help="steps per timed round; default 200")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; default 5")
     parser.add_argument("--no-jit", action="store_true", help="only tf.function, skip the XLA-compiled run")
     args = parser.parse_args(argv)
@@ -72,6 +73,9 @@ def main(argv=None):
         progress(f"{label}: {args.layers} layers x {args.width} units, {2 * args.layers + 2} variables")
         per_step = measure(args.layers, args.width, args.batch, args.steps, args.rounds, jit)
         ratios = [b / a for a, b in zip(per_step["keras"], per_step["kmix"])]
-        rows.append([label, median(per_step["keras"]) * 1e3, median(per_step["kmix"]) * 1e3, median(ratios)])
-    print(format_table(["compiled", "keras ms/step", "kmix ms/step", "kmix / keras"], rows))
+        best_keras, best_kmix = min(per_step["keras"]), min(per_step["kmix"])
+        rows.append([label, best_keras * 1e3, best_kmix * 1e3, best_kmix / best_keras, median(ratios)])
+    print(format_table(
+        ["compiled", "keras ms/step", "kmix ms/step", "kmix / keras", "median ratio"], rows
+    ))
     return rows

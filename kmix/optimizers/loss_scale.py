@@ -427,17 +427,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return variables
 
     def _nonfinite_per_variable(self, grads, variables):
-        flags = [tf.constant(0.0)] * len(self._model_variables)
+        """A float32 vector, one entry per built variable: 1 where its gradient is non-finite."""
+        slots = {}
         for g, v in zip(grads, variables):
-            if g is None:
-                continue
-            values = g.values if isinstance(g, tf.IndexedSlices) else g
-            flags[self._index[id(v)]] = tf.cast(
-                tf.logical_not(tf.reduce_all(tf.math.is_finite(values))), tf.float32
-            )
-        if not flags:
-            return tf.zeros((0,), tf.float32)
-        return tf.stack(flags)
+            if g is not None:
+                values = g.values if isinstance(g, tf.IndexedSlices) else g
+                slots[self._index[id(v)]] = tf.reduce_all(tf.math.is_finite(values))
+        if not slots:
+            return tf.zeros((len(self._model_variables),), tf.float32)
+        # One stack and one cast for all variables: per-variable casts cost
+        # an op each, which shows on models with many small variables.
+        finite = tf.stack([slots.get(i, True) for i in range(len(self._model_variables))])
+        return tf.cast(tf.logical_not(finite), tf.float32)
 
     def finalize_variable_values(self, var_list):
         """Applies a pending partial accumulation, then lets the inner optimizer finalize (EMA)."""
