@@ -286,14 +286,20 @@ def plot_results(results, policy, path):
     for run, r in results.items():
         losses = np.asarray(r["losses"], dtype=float)
         steps = np.arange(1, len(losses) + 1)
-        ax_loss.plot(steps, losses, color=colors[run], label=labels[run], linewidth=1)
+        # float32 wide and underneath: where kmix tracks it exactly, both stay visible.
+        wide = run == "float32"
+        ax_loss.plot(steps, losses, color=colors[run], label=labels[run], linewidth=3 if wide else 1,
+                     alpha=0.5 if wide else 1.0, zorder=1 if wide else 2)
         if r["first_nan_step"] is not None:
             ax_loss.axvline(r["first_nan_step"], color=colors[run], linestyle=":",
                             label=f"{labels[run]}: NaN from step {r['first_nan_step']}")
         if r["scales"]:
             scales = np.asarray(r["scales"], dtype=float)
             shown = np.where(scales > 0, scales, np.nan)  # a scale of 0 has no place on a log axis
-            ax_scale.plot(np.arange(1, len(scales) + 1), shown, color=colors[run], label=labels[run])
+            label = labels[run]
+            if (scales <= 0).any():
+                label += f" (0 from step {int(np.argmax(scales <= 0)) + 1})"
+            ax_scale.plot(np.arange(1, len(scales) + 1), shown, color=colors[run], label=label)
     ax_loss.set(title="training loss per step", xlabel="step", ylabel="loss")
     ax_loss.legend(fontsize=8)
     ax_scale.set(title="loss scale", xlabel="step", ylabel="scale", yscale="log")
