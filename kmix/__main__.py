@@ -22,11 +22,19 @@ def main(argv=None):
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="train the classic float16 NaN failure three ways", add_help=False)
-    bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHES))
-    bench.add_argument("name", choices=sorted(BENCHES))
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks: " + ", ".join(BENCHES),
+        description="`python -m kmix bench NAME --help` describes each benchmark's options.",
+        add_help=False,  # `bench NAME --help` goes to the benchmark itself
+    )
+    bench.add_argument("name", nargs="?", choices=sorted(BENCHES))
     sub.add_parser("doctor", help="versions, devices and the recommended policy", add_help=False)
     known, rest = parser.parse_known_args(argv)
     if known.command == "bench":
+        if known.name is None:
+            bench.print_help()
+            return 0 if {"-h", "--help"} & set(rest) else 2
         module = BENCHES[known.name]
     elif known.command == "demo":
         module = "kmix.demo"
