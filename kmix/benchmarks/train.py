@@ -3,7 +3,7 @@
 The model is a decoder-only transformer: token and position embeddings,
 `--layers` pre-norm blocks (causal multi-head self-attention, a 4x GELU MLP)
 and a language-model head, trained with AdamW on next-token prediction. Each
-configuration is a policy and a stack, eager-graph (`tf.function`) and XLA
+configuration is a policy and a stack, run as a `tf.function` graph and with XLA
 (`jit_compile=True`):
 
 - `float32`, stack `keras`: plain Keras, the baseline of the ratios;
@@ -22,8 +22,12 @@ and the second term is the attention score and value products, forward and
 backward, counted in full (not halved for the causal mask). Rematerialisation
 and other non-model work are not counted, so this is the "model" rate.
 
-Peak memory is `tf.config.experimental.get_memory_info` of the first GPU
-(reset before each configuration); a CPU does not report it ("n/a"). On a
+The step time is that of the fastest of `--rounds` timed rounds. With a GPU
+each configuration runs alone and its peak memory is
+`tf.config.experimental.get_memory_info` of the first GPU (reset before it);
+without one the configurations are built first and their rounds alternate
+(`--interleave`), so that drift on a shared machine hits all alike, and
+there is no memory figure (a CPU does not report one: "n/a"). On a
 CPU float16 and bfloat16 math is slower than float32, so the ratios there say
 nothing about a GPU; run this on one for speed figures.
 """
@@ -34,11 +38,10 @@ import os
 import time
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-import kmix
-from kmix.benchmarks.common import format_table, median, progress, time_call
+from kmix.benchmarks.common import format_table, progress, time_call
+from kmix.benchmarks.gpt import build_model, compile_model, make_dataset, model_flops_per_token
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 HEADERS = ["policy", "stack", "compiled", "ms/step", "tokens/s", "TFLOP/s", "peak mem",
@@ -59,79 +62,6 @@ def configurations(policies, jit_modes):
     return configs
 
 
-class PositionEmbedding(keras.layers.Layer):
-    """Adds a trained embedding of each position to `(batch, seq, d_model)` inputs."""
-
-    def build(self, input_shape):
-        self.table = self.add_weight(shape=tuple(input_shape[1:]), initializer="random_normal", name="embeddings")
-
-    def call(self, x):
-        return x + self.table[None]
-
-
-def build_model(layers, d_model, heads, seq, vocab, stack):
-    """The GPT-style model under the current dtype policy (uncompiled).
-
-    Args:
-        layers, d_model, heads, seq, vocab: the model's size.
-        stack: `"keras"` for `keras.layers.MultiHeadAttention`, `"kmix"` for
-            `kmix.layers.MultiHeadAttention`.
-
-    Returns:
-        A functional `keras.Model` from `(batch, seq)` int32 tokens to
-        float32 logits `(batch, seq, vocab)`.
-    """
-    attention = kmix.layers.MultiHeadAttention if stack == "kmix" else keras.layers.MultiHeadAttention
-    keras.utils.set_random_seed(0)
-    tokens = keras.Input((seq,), dtype="int32")
-    x = keras.layers.Embedding(vocab, d_model, name="token_embedding")(tokens)
-    x = PositionEmbedding(name="position_embedding")(x)
-    for i in range(layers):
-        h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"ln_attn{i}")(x)
-        h = attention(heads, d_model // heads, name=f"attention{i}")(h, h, use_causal_mask=True)
-        x = x + h
-        h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"ln_mlp{i}")(x)
-        h = keras.layers.Dense(4 * d_model, activation="gelu", name=f"mlp_in{i}")(h)
-        x = x + keras.layers.Dense(d_model, name=f"mlp_out{i}")(h)
-    x = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_final")(x)
-    logits = keras.layers.Dense(vocab, name="lm_head")(x)
-    # The loss is computed in float32, the head's matmul in the compute dtype.
-    logits = keras.layers.Activation("linear", dtype="float32", name="logits")(logits)
-    return keras.Model(tokens, logits, name=f"gpt_{stack}")
-
-
-def model_flops_per_token(model, layers, d_model, seq):
-    """PaLM's model FLOPs per trained token: `6 * N + 12 * layers * d_model * seq`.
-
-    `N` is the trainable parameter count without the embedding tables.
-    """
-    embeddings = sum(
-        int(np.prod(w.shape)) for layer in model.layers if "embedding" in layer.name for w in layer.trainable_weights
-    )
-    n = sum(int(np.prod(w.shape)) for w in model.trainable_weights) - embeddings
-    return 6 * n + 12 * layers * d_model * seq
-
-
-def compile_model(model, stack, jit_compile):
-    """Compiles with AdamW; `kmix.wrap` for the kmix stack, Keras's own wrapping otherwise."""
-    optimizer = keras.optimizers.AdamW(1e-4)
-    if stack == "kmix":
-        optimizer = kmix.wrap(optimizer)
-    model.compile(
-        optimizer=optimizer,
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        jit_compile=jit_compile,
-    )
-    return model
-
-
-def make_dataset(batch, seq, vocab):
-    """One random batch of tokens and next tokens, repeated forever, as a `tf.data.Dataset`."""
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, vocab, size=(batch, seq + 1)).astype(np.int32)
-    return tf.data.Dataset.from_tensors((tokens[:, :-1], tokens[:, 1:])).repeat()
-
-
 def gpu_name():
     """`"GPU:0"` if TensorFlow sees a GPU, else None."""
     return "GPU:0" if tf.config.list_physical_devices("GPU") else None
@@ -145,52 +75,94 @@ def _reset():
         tf.config.experimental.reset_memory_stats(device)
 
 
-def measure(config, size, steps, rounds):
-    """Trains one configuration; returns a dict of its figures.
+class _Run:
+    """One configuration, built, compiled and traced, ready to time."""
 
-    Args:
-        config: `(policy, stack, jit_compile)`.
-        size: dict with `layers`, `d_model`, `heads`, `seq`, `batch`, `vocab`.
-        steps: steps per timed round.
-        rounds: timed rounds; the step time is the median over rounds.
+    def __init__(self, config, size):
+        policy, stack, jit_compile = config
+        self.config, self.size, self.seconds, self.loss = config, size, [], None
+        keras.config.set_dtype_policy(policy)
+        try:
+            self.model = build_model(size["layers"], size["d_model"], size["heads"], size["seq"],
+                                     size["vocab"], stack)
+            compile_model(self.model, stack, jit_compile)
+        finally:
+            keras.config.set_dtype_policy("float32")
+        self.data = make_dataset(size["batch"], size["seq"], size["vocab"])
+        self.fit(2)  # traces / compiles the step and builds the optimizer
 
-    Returns:
-        A dict: `policy`, `stack`, `jit_compile`, `step_seconds`,
-        `tokens_per_second`, `tflops`, `peak_bytes` (None off GPU), `loss`
-        (the last training loss, to show the step really trained).
-    """
-    policy, stack, jit_compile = config
-    _reset()
-    keras.config.set_dtype_policy(policy)
-    try:
-        model = build_model(size["layers"], size["d_model"], size["heads"], size["seq"], size["vocab"], stack)
-        compile_model(model, stack, jit_compile)
-        data = make_dataset(size["batch"], size["seq"], size["vocab"])
-        logs = {}
+    def fit(self, steps):
+        history = self.model.fit(self.data, steps_per_epoch=steps, epochs=1, shuffle=False, verbose=0)
+        self.loss = float(history.history["loss"][-1])
 
-        def fit(n):
-            history = model.fit(data, steps_per_epoch=n, epochs=1, shuffle=False, verbose=0)
-            logs["loss"] = history.history["loss"][-1]
+    def time_round(self, steps):
+        """Times `steps` steps; keeps the seconds per step."""
+        self.seconds.append(time_call(lambda: self.fit(steps), repeats=1, warmup=0)[0] / steps)
 
-        fit(2)  # trace / compile, build the optimizer
-        seconds = [t / steps for t in time_call(lambda: fit(steps), repeats=rounds, warmup=0)]
-        device = gpu_name()
-        peak = tf.config.experimental.get_memory_info(device)["peak"] if device else None
-        step = median(seconds)
-        tokens = size["batch"] * size["seq"]
-        flops = model_flops_per_token(model, size["layers"], size["d_model"], size["seq"]) * tokens
+    def result(self, peak_bytes):
+        """The figures, from the fastest round (the least disturbed on a shared machine)."""
+        policy, stack, jit_compile = self.config
+        step = min(self.seconds)
+        tokens = self.size["batch"] * self.size["seq"]
+        flops = model_flops_per_token(self.model, self.size["layers"], self.size["d_model"], self.size["seq"])
         return {
             "policy": policy,
             "stack": stack,
             "jit_compile": jit_compile,
             "step_seconds": step,
             "tokens_per_second": tokens / step,
-            "tflops": flops / step / 1e12,
-            "peak_bytes": peak,
-            "loss": float(logs["loss"]),
+            "tflops": flops * tokens / step / 1e12,
+            "peak_bytes": peak_bytes,
+            "loss": self.loss,
         }
-    finally:
-        keras.config.set_dtype_policy("float32")
+
+
+def measure(config, size, steps, rounds):
+    """Trains one configuration alone and returns its figures (see `measure_all`)."""
+    _reset()
+    run = _Run(config, size)
+    for _ in range(rounds):
+        run.time_round(steps)
+    device = gpu_name()
+    return run.result(tf.config.experimental.get_memory_info(device)["peak"] if device else None)
+
+
+def measure_all(configs, size, steps, rounds, interleave):
+    """Measures every configuration; returns one dict of figures per configuration.
+
+    Args:
+        configs: `(policy, stack, jit_compile)` triples.
+        size: dict with `layers`, `d_model`, `heads`, `seq`, `batch`, `vocab`.
+        steps: steps per timed round.
+        rounds: timed rounds; the step time is that of the fastest round.
+        interleave: build every configuration first, then time round 1 of
+            each, round 2 of each, ...: drift on a shared machine then hits
+            all of them alike. Otherwise each runs alone, after the previous
+            one is freed, so that its peak device memory is its own.
+
+    Returns:
+        Dicts with `policy`, `stack`, `jit_compile`, `step_seconds`,
+        `tokens_per_second`, `tflops`, `peak_bytes` (None where the device
+        does not report it, and when interleaved), `loss` (the last
+        training loss, to show the step really trained).
+    """
+    label = lambda c: f"{c[0]}, {c[1]}, {'XLA' if c[2] else 'tf.function'}"  # noqa: E731
+    if not interleave:
+        results = []
+        for i, config in enumerate(configs, 1):
+            progress(f"[{i}/{len(configs)}] {label(config)}")
+            results.append(measure(config, size, steps, rounds))
+        return results
+    _reset()
+    runs = []
+    for i, config in enumerate(configs, 1):
+        progress(f"[{i}/{len(configs)}] building and compiling {label(config)}")
+        runs.append(_Run(config, size))
+    for r in range(rounds):
+        progress(f"timing round {r + 1}/{rounds}")
+        for run in runs:
+            run.time_round(steps)
+    return [run.result(None) for run in runs]
 
 
 def fits(policy, stack, size, batch):
@@ -330,7 +302,7 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=8, help="batch size; default 8")
     parser.add_argument("--vocab", type=int, default=512, help="vocabulary size; default 512")
     parser.add_argument("--steps", type=int, default=10, help="steps per timed round; default 10")
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds, the median is shown; default 3")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds, the fastest is shown; default 5")
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="comma-separated policies; default " + ",".join(POLICIES))
     parser.add_argument("--jit", choices=["both", "on", "off"], default="both",
@@ -338,8 +310,12 @@ def main(argv=None):
     parser.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
                         help="enable (--tf32) or disable (--no-tf32) TF32 float32 matmuls on "
                         "compute capability 8.0+; default: TensorFlow's setting (enabled)")
+    parser.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
+                        help="build every configuration first and alternate their timed rounds, so that "
+                        "drift on a shared machine hits all alike; no peak memory then. Default: on "
+                        "without a GPU, off with one (each configuration alone, with its own peak memory)")
     parser.add_argument("--max-batch", action="store_true",
-                        help="also find the largest batch that trains, per policy (kmix stack, XLA): "
+                        help="also find the largest batch that trains, per policy (XLA; kmix stack, Keras for float32): "
                         "doubling from --batch, then bisecting; GPU only unless --force")
     parser.add_argument("--max-batch-limit", type=int, default=2**16,
                         help="stop doubling at this batch; default 65536")
@@ -371,15 +347,18 @@ def main(argv=None):
     where = tf.config.experimental.get_device_details(
         tf.config.list_physical_devices("GPU")[0]).get("device_name", "GPU") if device else "CPU"
     tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
-    results = []
+    interleave = args.interleave if args.interleave is not None else device is None
     start = time.perf_counter()
-    for i, config in enumerate(configs, 1):
-        policy, stack, jit = config
-        progress(f"[{i}/{len(configs)}] {policy}, {stack}, {'XLA' if jit else 'tf.function'}")
-        results.append(measure(config, size, args.steps, args.rounds))
+    logger, level = tf.get_logger(), tf.get_logger().level
+    logger.setLevel("ERROR")  # every configuration traces its own step: TF's retracing warning is noise here
+    try:
+        results = measure_all(configs, size, args.steps, args.rounds, interleave)
+    finally:
+        logger.setLevel(level)
     print(f"GPT-style training step on {where}: {args.layers} layers, d_model {args.d_model}, "
           f"{args.heads} heads, seq {args.seq}, batch {args.batch}, vocab {args.vocab}; "
-          f"TF32 {'on' if tf32 else 'off'}; median of {args.rounds} x {args.steps} steps")
+          f"TF32 {'on' if tf32 else 'off'}; fastest of {args.rounds} "
+          f"{'interleaved ' if interleave else ''}rounds of {args.steps} steps")
     rows = format_rows(results)
     print(format_table(HEADERS, rows))
     print("TFLOP/s: model FLOPs, 6 * params (without embeddings) + 12 * layers * d_model * seq per token; "

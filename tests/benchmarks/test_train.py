@@ -109,3 +109,23 @@ def test_quick_run_prints_the_table(tmp_path, capsys):
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert out["plot"] == path and os.path.exists(path)
+
+
+def test_measure_alone_and_interleaved_give_the_same_figures_shape():
+    size = {"layers": 1, "d_model": 16, "heads": 2, "seq": 8, "batch": 2, "vocab": 32}
+    config = ("float32", "keras", False)
+    alone = train.measure(config, size, steps=2, rounds=2)
+    together = train.measure_all([config, ("mixed_bfloat16", "kmix", False)], size, 2, 2, interleave=True)
+    assert [r["policy"] for r in together] == ["float32", "mixed_bfloat16"]
+    for r in [alone, *together]:
+        assert set(r) == {"policy", "stack", "jit_compile", "step_seconds", "tokens_per_second",
+                          "tflops", "peak_bytes", "loss"}
+        assert r["step_seconds"] > 0 and math.isfinite(r["loss"])
+        assert r["tokens_per_second"] == pytest.approx(16 / r["step_seconds"])
+    # Same seed, same batch, same number of steps: float32 trains to the same loss either way.
+    assert together[0]["loss"] == pytest.approx(alone["loss"], rel=1e-5)
+    assert together[0]["peak_bytes"] is None  # interleaved runs share the device
+    if not tf.config.list_physical_devices("GPU"):
+        assert alone["peak_bytes"] is None
+    else:
+        assert alone["peak_bytes"] > 0

@@ -1,0 +1,87 @@
+"""The model `python -m kmix bench train` trains: a GPT-style decoder, its FLOPs and its data.
+
+`build_model` makes a decoder-only transformer under the current dtype
+policy, with Keras's or kmix's attention; `compile_model` compiles it with
+AdamW, wrapped by `kmix.wrap` for the kmix stack; `model_flops_per_token`
+counts its model FLOPs by PaLM's convention; `make_dataset` is one random
+batch of next-token pairs, repeated.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import kmix
+
+
+class PositionEmbedding(keras.layers.Layer):
+    """Adds a trained embedding of each position to `(batch, seq, d_model)` inputs."""
+
+    def build(self, input_shape):
+        self.table = self.add_weight(shape=tuple(input_shape[1:]), initializer="random_normal", name="embeddings")
+
+    def call(self, x):
+        return x + self.table[None]
+
+
+def build_model(layers, d_model, heads, seq, vocab, stack):
+    """The GPT-style model under the current dtype policy (uncompiled).
+
+    Args:
+        layers, d_model, heads, seq, vocab: the model's size.
+        stack: `"keras"` for `keras.layers.MultiHeadAttention`, `"kmix"` for
+            `kmix.layers.MultiHeadAttention`.
+
+    Returns:
+        A functional `keras.Model` from `(batch, seq)` int32 tokens to
+        float32 logits `(batch, seq, vocab)`.
+    """
+    attention = kmix.layers.MultiHeadAttention if stack == "kmix" else keras.layers.MultiHeadAttention
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((seq,), dtype="int32")
+    x = keras.layers.Embedding(vocab, d_model, name="token_embedding")(tokens)
+    x = PositionEmbedding(name="position_embedding")(x)
+    for i in range(layers):
+        h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"ln_attn{i}")(x)
+        h = attention(heads, d_model // heads, name=f"attention{i}")(h, h, use_causal_mask=True)
+        x = x + h
+        h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"ln_mlp{i}")(x)
+        h = keras.layers.Dense(4 * d_model, activation="gelu", name=f"mlp_in{i}")(h)
+        x = x + keras.layers.Dense(d_model, name=f"mlp_out{i}")(h)
+    x = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_final")(x)
+    logits = keras.layers.Dense(vocab, name="lm_head")(x)
+    # The loss is computed in float32, the head's matmul in the compute dtype.
+    logits = keras.layers.Activation("linear", dtype="float32", name="logits")(logits)
+    return keras.Model(tokens, logits, name=f"gpt_{stack}")
+
+
+def model_flops_per_token(model, layers, d_model, seq):
+    """PaLM's model FLOPs per trained token: `6 * N + 12 * layers * d_model * seq`.
+
+    `N` is the trainable parameter count without the embedding tables.
+    """
+    embeddings = sum(
+        int(np.prod(w.shape)) for layer in model.layers if "embedding" in layer.name for w in layer.trainable_weights
+    )
+    n = sum(int(np.prod(w.shape)) for w in model.trainable_weights) - embeddings
+    return 6 * n + 12 * layers * d_model * seq
+
+
+def compile_model(model, stack, jit_compile):
+    """Compiles with AdamW; `kmix.wrap` for the kmix stack, Keras's own wrapping otherwise."""
+    optimizer = keras.optimizers.AdamW(1e-4)
+    if stack == "kmix":
+        optimizer = kmix.wrap(optimizer)
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=jit_compile,
+    )
+    return model
+
+
+def make_dataset(batch, seq, vocab):
+    """One random batch of tokens and next tokens, repeated forever, as a `tf.data.Dataset`."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocab, size=(batch, seq + 1)).astype(np.int32)
+    return tf.data.Dataset.from_tensors((tokens[:, :-1], tokens[:, 1:])).repeat()
