@@ -16,7 +16,7 @@ What kmix adds:
 
 Run:
 
-    python examples/image_classifier.py                  # about a minute on a CPU
+    python examples/image_classifier.py                  # under a minute on a CPU
     python examples/image_classifier.py --steps 20       # a smoke test
 
 The last line printed is `result: initial_loss=... final_loss=... accuracy=...

@@ -16,7 +16,7 @@ What kmix adds to a plain Keras model:
 
 Run:
 
-    python examples/masked_attention_transformer.py                 # about a minute on a CPU
+    python examples/masked_attention_transformer.py                 # under a minute on a CPU
     python examples/masked_attention_transformer.py --steps 20      # a smoke test
 
 The last line printed is `result: initial_loss=... final_loss=... accuracy=...

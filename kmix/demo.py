@@ -42,10 +42,11 @@ RUNS = ("float32", "naive", "kmix")
 def make_data(n, seed):
     """`n` padded sequences and their labels: which marker token occurs most often.
 
-    Each sequence has a length in [MIN_LEN, MAX_LEN], random distractor
-    tokens, one to three copies of every marker and two to four extra copies
-    of the label's marker, so the label is always a strict majority. Padding
-    (token 0) fills the rest; attending to it or pooling it changes the answer.
+    Each sequence has a length in [MIN_LEN, MAX_LEN] and random distractor
+    tokens; every marker occurs zero or one time, except the label's, which
+    occurs once more than the most frequent other marker, so the label is
+    always a strict majority. Padding (token 0) fills the rest, and the model
+    must ignore it: only the masks keep it out of attention and pooling.
 
     Returns:
         `(tokens, labels)`: int32 arrays of shapes `(n, MAX_LEN)` and `(n,)`.
@@ -313,9 +314,17 @@ def plot_results(results, policy, path):
 def main(argv=None):
     """Runs the demo; prints the table and the PNG's path; returns the results.
 
+    Args:
+        argv: command-line arguments (`--help` lists them); `sys.argv` by default.
+
     Returns:
         `{"float32": ..., "naive": ..., "kmix": ...}`, each the dict of
         `train_run`, plus `"plot"`: the PNG's path.
+
+    Example:
+        >>> results = kmix.demo.main(["--steps", "40", "--quiet"])
+        >>> results["naive"]["first_nan_step"]
+        1
     """
     parser = argparse.ArgumentParser(
         prog="python -m kmix demo",
@@ -341,8 +350,9 @@ def main(argv=None):
     titles = {
         "float32": "float32",
         "naive": f"{args.policy} with the hand-written (1 - mask) * -1e9 softmax",
-        "kmix": f"{args.policy} with kmix (MaskedSoftmax, kmix.wrap, warm-up, LossScaleMonitor)",
+        "kmix": f"{args.policy} with kmix (MaskedSoftmax, kmix.wrap, LossScaleMonitor)",
     }
+    progress(f"Each run warms the learning rate up over its first {max(1, args.steps // 10)} steps.")
     for i, run in enumerate(RUNS, 1):
         progress(f"[{i}/{len(RUNS)}] {titles[run]}: {args.steps} steps")
         results[run] = train_run(run, args.policy, args.steps, data, verbose=0 if args.quiet else 1)
