@@ -180,29 +180,25 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # Keras's build creates `step_counter` and `dynamic_scale` and builds the inner
         # optimizer on the list it is given: the float32 copies where there are some.
         super().build(inner_vars)
-        int_var = lambda name, shape=(): self.add_variable(  # noqa: E731
-            shape=shape, dtype="int64", initializer="zeros", aggregation="none", name=name
-        )
-        self._skipped_steps = int_var("skipped_steps")
-        self._hysteresis_left = self.add_variable(
-            shape=(),
-            dtype="int64",
-            initializer=keras.initializers.Constant(self.hysteresis),
-            aggregation="none",
-            name="hysteresis_left",
-        )
-        self._overflow_counts = int_var("overflow_counts", (len(var_list),))
-        self._min_scale_overflows = int_var("min_scale_overflows")
-        self._growth_interval_var = self.add_variable(
-            shape=(),
-            dtype="int64",
-            initializer=keras.initializers.Constant(self.growth_interval),
-            aggregation="none",
-            name="current_growth_interval",
+        self._skipped_steps = self._int_variable("skipped_steps")
+        self._hysteresis_left = self._int_variable("hysteresis_left", initial=self.hysteresis)
+        self._overflow_counts = self._int_variable("overflow_counts", shape=(len(var_list),))
+        self._min_scale_overflows = self._int_variable("min_scale_overflows")
+        self._growth_interval_var = self._int_variable(
+            "current_growth_interval", initial=self.growth_interval
         )
         self._index = {id(v): i for i, v in enumerate(var_list)}
         if self.accumulation_steps > 1:
             accumulation.create_state(self, var_list)
+
+    def _int_variable(self, name, shape=(), initial=0):
+        return self.add_variable(
+            shape=shape,
+            dtype="int64",
+            initializer=keras.initializers.Constant(initial),
+            aggregation="none",
+            name=name,
+        )
 
     @property
     def loss_scale(self):
