@@ -1,7 +1,5 @@
 """Helpers shared by kmix's callbacks: finding the optimizers, reading scalars, checks."""
 
-import numbers
-
 import keras
 import numpy as np
 
@@ -99,32 +97,3 @@ def retrace(model):
     """
     if getattr(model, "train_function", None) is not None:
         model.make_train_function(force=True)
-
-
-def positive_int(name, value, minimum=1):
-    """`value` as an int >= `minimum`; raises naming `name` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"`{name}` must be an int >= {minimum}. Received: {name}={value!r} "
-            f"(of type {type(value).__name__})."
-        )
-    if value < minimum:
-        raise ValueError(f"`{name}` must be an int >= {minimum}. Received: {name}={value!r}")
-    return int(value)
-
-
-def real(name, value, low=None, high=None, low_open=False, high_open=False):
-    """`value` as a float within the given bounds; raises naming `name` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"`{name}` must be a number. Received: {name}={value!r} (of type {type(value).__name__})."
-        )
-    value = float(value)
-    below = low is not None and (value <= low if low_open else value < low)
-    above = high is not None and (value >= high if high_open else value > high)
-    if below or above or value != value:
-        lo = "(" if low_open else "["
-        hi = ")" if high_open else "]"
-        interval = f"{lo}{low if low is not None else '-inf'}, {high if high is not None else 'inf'}{hi}"
-        raise ValueError(f"`{name}` must be in {interval}. Received: {name}={value!r}")
-    return value

@@ -4,6 +4,7 @@ import warnings
 
 import keras
 
+from kmix import _checks as checks
 from kmix.callbacks import _common
 
 ON_MIN_SCALE = ("warn", "raise", "ignore")
@@ -60,7 +61,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
                 f"Received: on_min_scale={on_min_scale!r}"
             )
         self.on_min_scale = on_min_scale
-        self.log_every = _common.positive_int("log_every", log_every)
+        self.log_every = checks.integer("log_every", log_every)
         self.report = []
 
     def on_train_begin(self, logs=None):

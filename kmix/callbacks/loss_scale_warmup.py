@@ -4,6 +4,7 @@ import warnings
 
 import keras
 
+from kmix import _checks as checks
 from kmix.callbacks import _common
 
 
@@ -55,11 +56,9 @@ class LossScaleWarmup(keras.callbacks.Callback):
 
     def __init__(self, initial_scale=2**7, growth_interval=20, steps=1000):
         super().__init__()
-        self.initial_scale = _common.real("initial_scale", initial_scale, low=0.0, low_open=True)
-        if self.initial_scale == float("inf"):
-            raise ValueError(f"`initial_scale` must be finite. Received: initial_scale={initial_scale!r}")
-        self.growth_interval = _common.positive_int("growth_interval", growth_interval)
-        self.steps = _common.positive_int("steps", steps)
+        self.initial_scale = checks.real("initial_scale", initial_scale, low=0.0, low_open=True)
+        self.growth_interval = checks.integer("growth_interval", growth_interval)
+        self.steps = checks.integer("steps", steps)
         self.finished_at = None
         self._active = False
 

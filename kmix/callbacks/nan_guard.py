@@ -6,6 +6,7 @@ import warnings
 import keras
 import numpy as np
 
+from kmix import _checks as checks
 from kmix.callbacks import _common
 from kmix.optimizers import LossScaleOptimizer
 from kmix.schedules import Scaled
@@ -69,9 +70,9 @@ class NaNGuard(keras.callbacks.Callback):
 
     def __init__(self, max_rollbacks=3, lr_factor=0.5, snapshot_every=100):
         super().__init__()
-        self.max_rollbacks = _common.positive_int("max_rollbacks", max_rollbacks, minimum=0)
-        self.lr_factor = _common.real("lr_factor", lr_factor, low=0.0, high=1.0, low_open=True)
-        self.snapshot_every = _common.positive_int("snapshot_every", snapshot_every)
+        self.max_rollbacks = checks.integer("max_rollbacks", max_rollbacks, minimum=0)
+        self.lr_factor = checks.real("lr_factor", lr_factor, low=0.0, high=1.0, low_open=True)
+        self.snapshot_every = checks.integer("snapshot_every", snapshot_every)
         self.rollbacks = []
 
     # ------------------------------------------------------------ snapshots

@@ -1,11 +1,9 @@
 """`kmix.LossScaleOptimizer`: dynamic loss scaling with bounds, hysteresis and counters."""
 
-import math
-import numbers
-
 import keras
 import tensorflow as tf
 
+from kmix import _checks as checks
 from kmix._compat import no_automatic_dependency_tracking, strategy_supports_no_merge_call
 from kmix.optimizers import accumulation
 from kmix.optimizers import master_weights as mw
@@ -97,20 +95,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 )
             growth_interval = dynamic_growth_steps
         _check_inner(inner_optimizer)
-        initial_scale = _positive_number("initial_scale", initial_scale)
-        growth_interval = _positive_int("growth_interval", growth_interval)
-        growth_factor = _number("growth_factor", growth_factor)
-        if not growth_factor > 1.0:
-            raise ValueError(f"`growth_factor` must be > 1. Received: growth_factor={growth_factor!r}")
-        backoff_factor = _number("backoff_factor", backoff_factor)
-        if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(
-                "`backoff_factor` must be in the open interval (0, 1). "
-                f"Received: backoff_factor={backoff_factor!r}"
-            )
-        hysteresis = _positive_int("hysteresis", hysteresis)
-        min_scale = _positive_number("min_scale", min_scale)
-        max_scale = _positive_number("max_scale", max_scale, allow_inf=True)
+        initial_scale = checks.real("initial_scale", initial_scale, low=0.0, low_open=True)
+        growth_interval = checks.integer("growth_interval", growth_interval)
+        growth_factor = checks.real("growth_factor", growth_factor, low=1.0, low_open=True)
+        backoff_factor = checks.real(
+            "backoff_factor", backoff_factor, low=0.0, high=1.0, low_open=True, high_open=True
+        )
+        hysteresis = checks.integer("hysteresis", hysteresis)
+        min_scale = checks.real("min_scale", min_scale, low=0.0, low_open=True)
+        max_scale = checks.real("max_scale", max_scale, low=0.0, low_open=True, allow_inf=True)
         if min_scale > max_scale:
             raise ValueError(
                 "`min_scale` must be <= `max_scale`. "
@@ -130,7 +123,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 "`master_weights` must be 'auto', True or False. "
                 f"Received: master_weights={master_weights!r}"
             )
-        accumulation_steps = _positive_int("accumulation_steps", accumulation_steps)
+        accumulation_steps = checks.integer("accumulation_steps", accumulation_steps)
         inner_steps = getattr(inner_optimizer, "gradient_accumulation_steps", None)
         if inner_steps:
             raise ValueError(
@@ -500,30 +493,6 @@ def _check_inner(inner):
             f"inner_optimizer={inner!r} (of type {type(inner).__name__}). Use `kmix.wrap('adam')` "
             "to create one from a name or a config."
         )
-
-
-def _number(name, value, allow_inf=False):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"`{name}` must be a real number. Received: {name}={value!r}")
-    value = float(value)
-    if math.isnan(value) or (math.isinf(value) and not allow_inf):
-        raise ValueError(f"`{name}` must be finite. Received: {name}={value!r}")
-    return value
-
-
-def _positive_number(name, value, allow_inf=False):
-    value = _number(name, value, allow_inf)
-    if not value > 0:
-        raise ValueError(f"`{name}` must be > 0. Received: {name}={value!r}")
-    return value
-
-
-def _positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"`{name}` must be an int >= 1. Received: {name}={value!r}")
-    if value < 1:
-        raise ValueError(f"`{name}` must be an int >= 1. Received: {name}={value!r}")
-    return int(value)
 
 
 def _dtype(v):

@@ -1,10 +1,9 @@
 """`kmix.schedules.Scaled`: another schedule multiplied by a constant factor."""
 
-import math
-import numbers
-
 import keras
 from keras import ops
+
+from kmix import _checks as checks
 
 
 @keras.saving.register_keras_serializable(package="kmix")
@@ -37,12 +36,8 @@ class Scaled(keras.optimizers.schedules.LearningRateSchedule):
                 "`schedule` must be a keras.optimizers.schedules.LearningRateSchedule. "
                 f"Received: schedule={schedule!r} (of type {type(schedule).__name__})."
             )
-        if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
-            raise TypeError(f"`factor` must be a float > 0. Received: factor={factor!r}")
-        if not (math.isfinite(float(factor)) and float(factor) > 0.0):
-            raise ValueError(f"`factor` must be a finite float > 0. Received: factor={factor!r}")
         self.schedule = schedule
-        self.factor = float(factor)
+        self.factor = checks.real("factor", factor, low=0.0, low_open=True)
 
     @classmethod
     def scale(cls, schedule, factor):

@@ -6,6 +6,8 @@ import numbers
 import keras
 from keras import ops
 
+from kmix import _checks as checks
+
 SHAPES = ("linear", "exponential", "cosine")
 
 
@@ -52,7 +54,7 @@ class Warmup(keras.optimizers.schedules.LearningRateSchedule):
 
     def __init__(self, base, warmup_steps, initial=0.0, shape="linear"):
         self.base = _check_base(base)
-        self.warmup_steps = _check_warmup_steps(warmup_steps)
+        self.warmup_steps = checks.integer("warmup_steps", warmup_steps, minimum=0)
         self.initial = _check_initial(initial, shape)
         self.shape = shape
 
@@ -112,21 +114,7 @@ def _check_base(base, name="base"):
             f"`{name}` must be a float >= 0 or a keras.optimizers.schedules."
             f"LearningRateSchedule. Received: {name}={base!r} (of type {type(base).__name__})."
         )
-    value = float(base)
-    if not (math.isfinite(value) and value >= 0.0):
-        raise ValueError(f"`{name}` must be a finite float >= 0. Received: {name}={base!r}")
-    return value
-
-
-def _check_warmup_steps(warmup_steps):
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, numbers.Integral):
-        raise TypeError(
-            f"`warmup_steps` must be an int >= 0. Received: warmup_steps={warmup_steps!r} "
-            f"(of type {type(warmup_steps).__name__})."
-        )
-    if warmup_steps < 0:
-        raise ValueError(f"`warmup_steps` must be an int >= 0. Received: warmup_steps={warmup_steps!r}")
-    return int(warmup_steps)
+    return checks.real(name, base, low=0.0)
 
 
 def _check_initial(initial, shape):
@@ -134,17 +122,7 @@ def _check_initial(initial, shape):
         raise ValueError(
             f"`shape` must be one of {', '.join(repr(s) for s in SHAPES)}. Received: shape={shape!r}"
         )
-    if isinstance(initial, bool) or not isinstance(initial, numbers.Real):
-        raise TypeError(
-            f"`initial` must be a float in [0, 1]. Received: initial={initial!r} "
-            f"(of type {type(initial).__name__})."
-        )
-    value = float(initial)
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(
-            f"`initial` is a fraction of the base rate and must be in [0, 1]. "
-            f"Received: initial={initial!r}"
-        )
+    value = checks.real("initial", initial, low=0.0, high=1.0)  # a fraction of the base rate
     if shape == "exponential" and value == 0.0:
         raise ValueError(
             "`shape='exponential'` rises geometrically from `initial` and needs initial > 0. "

@@ -1,0 +1,54 @@
+"""Argument checks shared by kmix's constructors: one wording for every error.
+
+Each check returns the value in its canonical type or raises naming the
+argument, what was received and what is accepted, the way Keras does:
+"`growth_factor` must be > 1. Received: growth_factor=1.0".
+"""
+
+import math
+import numbers
+
+
+def integer(name, value, minimum=1):
+    """`value` as an int >= `minimum`; `TypeError` / `ValueError` naming `name` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"`{name}` must be an int >= {minimum}. Received: {name}={value!r} "
+            f"(of type {type(value).__name__})."
+        )
+    if value < minimum:
+        raise ValueError(f"`{name}` must be an int >= {minimum}. Received: {name}={value!r}")
+    return int(value)
+
+
+def real(name, value, low=None, high=None, low_open=False, high_open=False, allow_inf=False):
+    """`value` as a float within the bounds; `TypeError` / `ValueError` naming `name` otherwise.
+
+    Args:
+        name: the argument's name, for the message.
+        value: what was received.
+        low, high: the bounds, or None for none.
+        low_open, high_open: whether a bound itself is excluded.
+        allow_inf: whether +-inf passes (NaN never does).
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"`{name}` must be a real number. Received: {name}={value!r} "
+            f"(of type {type(value).__name__})."
+        )
+    number = float(value)
+    if math.isnan(number) or (math.isinf(number) and not allow_inf):
+        raise ValueError(f"`{name}` must be finite. Received: {name}={value!r}")
+    below = low is not None and (number <= low if low_open else number < low)
+    above = high is not None and (number >= high if high_open else number > high)
+    if below or above:
+        raise ValueError(f"`{name}` must be {_bounds(low, high, low_open, high_open)}. Received: {name}={value!r}")
+    return number
+
+
+def _bounds(low, high, low_open, high_open):
+    if high is None:
+        return f"{'>' if low_open else '>='} {low:g}"
+    if low is None:
+        return f"{'<' if high_open else '<='} {high:g}"
+    return f"in the interval {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
