@@ -120,12 +120,9 @@ class LossScaleWarmup(keras.callbacks.Callback):
         run = _common.steps_run(optimizer)
         if _common.read(optimizer.skipped_steps) == 0 and run < self.steps:
             return
-        interval = optimizer.growth_interval
-        optimizer.current_growth_interval.assign(interval)
-        # The optimizer grows when good_steps *equals* the interval: a count already
-        # past a shorter restored interval would never grow again.
-        if _common.read(optimizer.good_steps) >= interval:
-            optimizer.good_steps.assign(0)
+        # The optimizer grows once good_steps reaches the interval (>=), so a count
+        # already past a shorter restored interval grows at the next finite step.
+        optimizer.current_growth_interval.assign(optimizer.growth_interval)
         self._active = False
         self.finished_at = run
 

@@ -97,3 +97,17 @@ def test_overflow_report_sorted_by_count():
     assert opt.overflow_report(top=1) == [(b.path, 3)]
     assert int(opt.skipped_steps) == 3
     np.testing.assert_array_equal(a.numpy(), np.float32(1) - np.float32(0.1))  # one finite SGD step
+
+
+def test_interval_lowered_below_the_count_grows_at_the_next_finite_step():
+    var = keras.Variable(np.ones(2, np.float32))
+    opt = kmix.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=8.0, growth_interval=20)
+    opt.build([var])
+    for _ in range(10):
+        opt.apply([tf.ones(2)], [var])
+    opt.current_growth_interval.assign(5)  # what LossScaleWarmup does when it ends
+    opt.apply([tf.ones(2)], [var])
+    assert float(opt.loss_scale) == 16.0 and int(opt.good_steps) == 0
+    for _ in range(5):
+        opt.apply([tf.ones(2)], [var])
+    assert float(opt.loss_scale) == 32.0
