@@ -3,9 +3,8 @@
 import keras
 import pytest
 
-from kmix.benchmarks import overhead
-
 from kmix.__main__ import main
+from kmix.benchmarks import overhead
 
 
 @pytest.mark.parametrize("argv, words", [
