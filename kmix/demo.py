@@ -185,8 +185,7 @@ def train_run(run, policy, steps, data, verbose=1, learning_rate=2e-3):
         `first_nan_step` (1-based; None if the loss stayed finite).
     """
     x, y, x_test, y_test = data
-    keras.config.set_dtype_policy("float32" if run == "float32" else policy)
-    try:
+    with kmix.policy_scope("float32" if run == "float32" else policy):
         model = build_model("kmix" if run == "kmix" else "naive")
         recorder = _StepRecorder()
         # Every run warms up the same way: warm-up alone does not cure the naive run.
@@ -219,8 +218,6 @@ def train_run(run, policy, steps, data, verbose=1, learning_rate=2e-3):
             "seconds": seconds,
             "first_nan_step": nan_steps[0] if nan_steps else None,
         }
-    finally:
-        keras.config.set_dtype_policy("float32")
 
 
 def format_results(results, policy):

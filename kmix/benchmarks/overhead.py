@@ -21,7 +21,6 @@ def build_and_compile(kind, layers, width, jit_compile, seed=0):
 
     import kmix
 
-    keras.config.set_dtype_policy("mixed_float16")
     keras.utils.set_random_seed(seed)
     model = keras.Sequential(
         [keras.Input((width,))]
@@ -43,13 +42,13 @@ def measure(layers=64, width=16, batch=32, steps=200, rounds=5, jit_compile=Fals
         bit-identical weights (they should: with Keras's defaults kmix takes
         the same steps), which shows both timed the same work.
     """
-    import keras
+    import kmix
 
-    previous_policy = keras.config.dtype_policy()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch * steps, width)).astype("float32")
     y = rng.normal(size=(batch * steps, 1)).astype("float32")
-    models = {kind: build_and_compile(kind, layers, width, jit_compile) for kind in ("keras", "kmix")}
+    with kmix.policy_scope("mixed_float16"):
+        models = {kind: build_and_compile(kind, layers, width, jit_compile) for kind in ("keras", "kmix")}
     per_step = {kind: [] for kind in models}
     for r in range(rounds):
         for kind, model in models.items():
@@ -61,7 +60,6 @@ def measure(layers=64, width=16, batch=32, steps=200, rounds=5, jit_compile=Fals
             per_step[kind].append(seconds / steps)
         progress(f"round {r + 1}/{rounds}: keras {per_step['keras'][-1] * 1e3:.3f} ms/step, "
                  f"kmix {per_step['kmix'][-1] * 1e3:.3f} ms/step")
-    keras.config.set_dtype_policy(previous_policy)
     same_weights = all(
         np.array_equal(a, b)
         for a, b in zip(models["keras"].get_weights(), models["kmix"].get_weights())

@@ -40,6 +40,7 @@ import time
 import keras
 import tensorflow as tf
 
+import kmix
 from kmix.benchmarks.common import format_table, progress, time_call
 from kmix.benchmarks.gpt import build_model, compile_model, make_dataset, model_flops_per_token
 
@@ -81,13 +82,10 @@ class _Run:
     def __init__(self, config, size):
         policy, stack, jit_compile = config
         self.config, self.size, self.seconds, self.loss = config, size, [], None
-        keras.config.set_dtype_policy(policy)
-        try:
+        with kmix.policy_scope(policy):
             self.model = build_model(size["layers"], size["d_model"], size["heads"], size["seq"],
                                      size["vocab"], stack)
             compile_model(self.model, stack, jit_compile)
-        finally:
-            keras.config.set_dtype_policy("float32")
         self.data = make_dataset(size["batch"], size["seq"], size["vocab"])
         self.fit(2)  # traces / compiles the step and builds the optimizer
 
@@ -168,10 +166,10 @@ def measure_all(configs, size, steps, rounds, interleave):
 def fits(policy, stack, size, batch):
     """Whether two XLA-compiled training steps at `batch` run without running out of memory."""
     _reset()
-    keras.config.set_dtype_policy(policy)
     try:
-        model = build_model(size["layers"], size["d_model"], size["heads"], size["seq"], size["vocab"], stack)
-        compile_model(model, stack, jit_compile=True)
+        with kmix.policy_scope(policy):
+            model = build_model(size["layers"], size["d_model"], size["heads"], size["seq"], size["vocab"], stack)
+            compile_model(model, stack, jit_compile=True)
         data = make_dataset(batch, size["seq"], size["vocab"])
         model.fit(data, steps_per_epoch=2, epochs=1, shuffle=False, verbose=0)
         return True
@@ -182,7 +180,6 @@ def fits(policy, stack, size, batch):
             return False
         raise
     finally:
-        keras.config.set_dtype_policy("float32")
         _reset()
 
 
