@@ -20,19 +20,16 @@ if _cpus:
     except RuntimeError:  # devices already initialised by an earlier import
         pass
 
+from kmix.policy import _state  # noqa: E402  (after the device setup)
+
 
 @pytest.fixture(autouse=True)
 def restore_keras_globals():
-    """Restore Keras's global dtype policy (and kmix's) after every test."""
+    """Restore Keras's global dtype policy and kmix's policy after every test."""
     policy = keras.config.dtype_policy()
-    try:
-        from kmix.policy import _state  # noqa: F401  (present once #4 lands)
-    except ImportError:
-        _state = None
-    saved = _state.save() if _state is not None and hasattr(_state, "save") else None
+    saved = _state.save()
     yield
     keras.config.set_dtype_policy(policy)
-    if saved is not None:
-        _state.restore(saved)
+    _state.restore(saved)
     # Name uniqueness and a fresh graph per test; the gc pass is skipped (about 0.2 s a test).
     keras.backend.clear_session(free_memory=False)
