@@ -30,8 +30,9 @@ def test_overhead_bench_times_the_same_training(capsys):
     out = capsys.readouterr().out
     assert "kmix / keras" in out
     rows = overhead.main(["--layers", "2", "--steps", "3", "--rounds", "2", "--no-jit"])
-    (label, keras_ms, kmix_ms, ratio, _, same), = rows
+    (label, keras_ms, kmix_ms, ratio, _, same), apply_row = rows
     assert label == "tf.function" and keras_ms > 0 and kmix_ms > 0
+    assert apply_row[0] == "apply only" and apply_row[3] == pytest.approx(apply_row[2] / apply_row[1])
     assert ratio == pytest.approx(kmix_ms / keras_ms)
     # Both optimizers took the same steps: kmix with Keras's defaults is Keras, bit for bit.
     assert same == "yes"

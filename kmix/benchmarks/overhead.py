@@ -6,6 +6,8 @@ can be. Both optimizers train the same model on the same data; runs alternate
 (A, B, A, B, ...) so that drift on a shared machine hits both, and the
 reported ratio is that of the fastest round of each (the least disturbed
 estimate on a busy machine), with the median ratio of the rounds beside it.
+A last row times `optimizer.apply` alone on the same variables: the part
+kmix changes, free of the forward and backward passes' noise.
 """
 
 import argparse
@@ -67,6 +69,39 @@ def measure(layers=64, width=16, batch=32, steps=200, rounds=5, jit_compile=Fals
     return per_step, same_weights
 
 
+def measure_apply(layers=64, width=16, steps=200, rounds=5):
+    """Times `optimizer.apply` alone, in a `tf.function`, on the same variables as `measure`.
+
+    The part of a step that kmix changes, without the forward and backward
+    passes whose run-to-run noise on a shared CPU is larger than the
+    difference being measured.
+
+    Returns:
+        `{kind: [seconds per apply, one per round]}` for "keras" and "kmix".
+    """
+    import keras
+    import tensorflow as tf
+
+    import kmix
+
+    shapes = [(width, width), (width,)] * layers + [(width, 1), (1,)]
+    variables = [keras.Variable(np.ones(s, np.float32)) for s in shapes]
+    grads = [tf.ones(s) for s in shapes]
+    applies = {}
+    for kind in ("keras", "kmix"):
+        inner = keras.optimizers.Adam(1e-4)
+        opt = keras.optimizers.LossScaleOptimizer(inner) if kind == "keras" else kmix.wrap(
+            inner, dynamic=True, initial_scale=2.0**15
+        )
+        opt.build(variables)
+        applies[kind] = tf.function(lambda opt=opt: opt.apply(grads, variables))
+    per_apply = {kind: [] for kind in applies}
+    for r in range(rounds):
+        for kind, fn in applies.items():
+            per_apply[kind].append(time_call(fn, repeats=steps, warmup=1 if r == 0 else 0))
+    return {kind: [sum(t) / steps for t in times] for kind, times in per_apply.items()}
+
+
 def main(argv=None):
     """Prints the kmix / Keras step-time ratio table.
 
@@ -76,7 +111,8 @@ def main(argv=None):
     Returns:
         The table's rows: compiled mode, Keras and kmix ms/step (fastest
         round), their ratio, the median per-round ratio, and whether both
-        models ended with the same weights.
+        models ended with the same weights; a last row times
+        `optimizer.apply` alone.
     """
     parser = argparse.ArgumentParser(prog="python -m kmix bench overhead", description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=64, help="Dense layers (2 variables each); default 64")
@@ -95,6 +131,11 @@ def main(argv=None):
         best_keras, best_kmix = min(per_step["keras"]), min(per_step["kmix"])
         rows.append([label, best_keras * 1e3, best_kmix * 1e3, best_kmix / best_keras, median(ratios),
                      "yes" if same else "NO"])
+    progress("optimizer.apply alone, in a tf.function")
+    per_apply = measure_apply(args.layers, args.width, args.steps, args.rounds)
+    ratios = [b / a for a, b in zip(per_apply["keras"], per_apply["kmix"])]
+    best_keras, best_kmix = min(per_apply["keras"]), min(per_apply["kmix"])
+    rows.append(["apply only", best_keras * 1e3, best_kmix * 1e3, best_kmix / best_keras, median(ratios), "-"])
     print(format_table(
         ["compiled", "keras ms/step", "kmix ms/step", "kmix / keras", "median ratio", "same weights"],
         rows,
