@@ -288,8 +288,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """
         grads = list(grads)
         if not self.built:
-            with keras.name_scope(self.name, caller=self):
-                self.build(trainable_variables)
+            # No outer name scope (Keras's class opens one here): each optimizer scopes
+            # its own variables, so slot paths are the same however the build happens.
+            self.build(trainable_variables)
         variables = self._resolve_variables(grads, trainable_variables)
         ctx = tf.distribute.get_replica_context()
         if ctx is None:

@@ -133,8 +133,7 @@ def build():
 
 def final_state(model, position):
     """Every model and optimizer variable by path, and where this process resumed."""
-    # By position: an optimizer built by BackupAndRestore names its slots under another
-    # scope ("loss_scale_optimizer/adam/..." instead of "adam/..."); the order is the same.
+    # By position, as Keras's weight files match them.
     arrays = {f"model/{i:03d}": v.numpy() for i, v in enumerate(model.variables)}
     arrays.update({f"optimizer/{i:03d}": v.numpy() for i, v in enumerate(model.optimizer.variables)})
     arrays["resumed_from_step"] = np.asarray(position.start)
