@@ -161,3 +161,19 @@ def test_counters_survive_save_and_load(tmp_path):
     report, loaded_report = opt.overflow_report(), lopt.overflow_report()
     assert [c for _, c in loaded_report] == [c for _, c in report] == [2]
     assert report[0][0].endswith(loaded_report[0][0])
+
+
+def test_variable_paths_do_not_depend_on_who_builds():
+    """Built by `build` (Keras's symbolic build, callbacks) or by the first `apply`: same paths."""
+    paths = []
+    for how in ("build", "apply"):
+        keras.backend.clear_session()
+        model = make_model()
+        opt = kmix.wrap(keras.optimizers.Adam(1e-3))
+        if how == "build":
+            opt.build(model.trainable_variables)
+        else:
+            opt.apply([np.zeros(v.shape, "float32") for v in model.trainable_variables], model.trainable_variables)
+        paths.append([v.path for v in opt.variables])
+    assert paths[0] == paths[1]
+    assert "adam/sequential_dense_kernel_momentum" in paths[0]
