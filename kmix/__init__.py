@@ -14,6 +14,7 @@ from kmix.policy import (  # noqa: E402
     active_policy,
     autocast,
     memory_report,
+    policy_map,
     policy_scope,
     set_policy,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "layers",
     "memory_report",
     "ops",
+    "policy_map",
     "policy_scope",
     "schedules",
     "set_policy",

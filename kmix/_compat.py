@@ -43,3 +43,39 @@ def learning_rate_object(optimizer):
     changes it.
     """
     return optimizer._learning_rate
+
+
+def is_functional(model):
+    """Whether `model` is a functional model: `keras.Model(inputs, outputs)` or a subclass of one.
+
+    keras-hub backbones and tasks subclass Keras's `Functional` class, which is
+    not exported (`keras.Model(inputs, outputs)` returns one, but the class has
+    no public name), and no public predicate tells a graph model from a
+    subclassed one.
+    """
+    from keras.src.models.functional import Functional
+
+    return isinstance(model, Functional)
+
+
+def producer(tensor):
+    """`(operation, node_index)` that produced the symbolic `tensor`, or `(None, 0)`.
+
+    Walking a functional graph back from its outputs (through `keras.ops`
+    nodes such as `GetItem` or `Mean` to the layers behind them) needs each
+    KerasTensor's history; Keras keeps it in the private `_keras_history`
+    and has no public accessor for it.
+    """
+    history = getattr(tensor, "_keras_history", None)
+    if history is None:
+        return None, 0
+    return history.operation, history.node_index
+
+
+def node_inputs(operation, node_index):
+    """The symbolic input tensors of call number `node_index` of `operation`.
+
+    `operation.input` (public) only gives the first call's inputs, which is
+    wrong for shared layers and operations; the nodes are private.
+    """
+    return list(operation._inbound_nodes[node_index].input_tensors)

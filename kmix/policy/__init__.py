@@ -2,6 +2,7 @@
 
 from kmix.policy.autocast import AutocastTable, Placement, autocast
 from kmix.policy.memory import MemoryReport, memory_report
+from kmix.policy.placement import policy_map
 from kmix.policy.policy import Policy
 from kmix.policy.scope import active_policy, policy_scope, set_policy
 
@@ -13,6 +14,7 @@ __all__ = [
     "active_policy",
     "autocast",
     "memory_report",
+    "policy_map",
     "policy_scope",
     "set_policy",
 ]

@@ -1,66 +1,36 @@
-"""`kmix.autocast(model)`: place each layer of a model by an allow/deny list.
+"""`kmix.autocast(model)`: a copy of a model with each layer placed by precision.
 
-Like Apex O1 and `torch.autocast`, matmuls, convolutions, embeddings and
-attention projections run in the half compute dtype, while the numerically
-sensitive layers stay in float32: normalization, softmax / log-softmax
-activations, and the layer that produces each model output. Keras's
-`Softmax` and `MultiHeadAttention` are swapped for kmix's, which keep their
-softmax in float32 and mask with finite constants.
+The copy is made the way `model.save` / `load_model` make one: the model's
+config is serialized, every layer's dtype is replaced by a
+`keras.dtype_policies.DTypePolicyMap` holding the placement (keyed by layer
+path, so layers that blocks create inside themselves are placed too), and
+the config is deserialized with that map as the global policy. This keeps
+the model's class (a keras-hub `BertBackbone` stays one), its `keras.ops`
+nodes and slices, its nested models and shared layers. Layers without
+variables (softmax, activations, ops) are then placed on the copy, and the
+weights are copied over.
 """
 
 import collections
+import contextlib
 
 import keras
 
+from kmix import _compat
+from kmix.policy.placement import Rules, resolved_policy, safe_replacements, walk
 from kmix.policy.policy import Policy
 
-# Float32 islands: statistics over many elements, where half loses precision.
-_NORMALIZATION = tuple(
-    getattr(keras.layers, name)
-    for name in (
-        "BatchNormalization",
-        "LayerNormalization",
-        "GroupNormalization",
-        "UnitNormalization",
-        "RMSNormalization",
-        "SpectralNormalization",
-        "Normalization",
-    )
-    if hasattr(keras.layers, name)
-)
-_FLOAT32_ACTIVATIONS = ("softmax", "log_softmax")
-# Listed for the table: layers whose matmuls are what half precision speeds up.
-_HALF_LAYERS = tuple(
-    getattr(keras.layers, name)
-    for name in (
-        "Dense",
-        "EinsumDense",
-        "Conv1D",
-        "Conv2D",
-        "Conv3D",
-        "Conv1DTranspose",
-        "Conv2DTranspose",
-        "Conv3DTranspose",
-        "DepthwiseConv1D",
-        "DepthwiseConv2D",
-        "SeparableConv1D",
-        "SeparableConv2D",
-        "Embedding",
-        "MultiHeadAttention",
-        "GroupedQueryAttention",
-        "Attention",
-        "AdditiveAttention",
-    )
-    if hasattr(keras.layers, name)
-)
-
 Placement = collections.namedtuple("Placement", "layer cls before after reason")
-Placement.__doc__ = """One row of `autocast`'s table: a layer's name and class, its policy
+Placement.__doc__ = """One row of `autocast`'s table: a layer's path and class, its policy
 before and after, and the rule that placed it."""
 
 
 class AutocastTable(list):
-    """The rows (`Placement`s) of an `autocast`, printed as an aligned table by `str()`."""
+    """The rows (`Placement`s) of an `autocast`, printed as an aligned table by `str()`.
+
+    One row per layer, nested layers included (their `layer` is a path such
+    as `"transformer_layer_0/self_attention_layer/query"`).
+    """
 
     def __str__(self):
         header = Placement("layer", "class", "before", "after", "why")
@@ -71,7 +41,7 @@ class AutocastTable(list):
         return "\n".join(lines)
 
     def moved(self):
-        """The names of the layers whose policy or class changed."""
+        """The paths of the layers whose policy or class changed."""
         return [row.layer for row in self if row.before != row.after or "->" in row.cls]
 
 
@@ -83,34 +53,43 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
     - half (`policy.to_keras()`): `Dense`, `EinsumDense`, convolutions,
       `Embedding`, attention projections, and every layer not listed below;
     - replaced: `keras.layers.Softmax` by `kmix.layers.Softmax`,
-      `keras.layers.MultiHeadAttention` by `kmix.layers.MultiHeadAttention`;
-    - float32: normalization layers, `Activation("softmax")` /
+      `keras.layers.MultiHeadAttention` by `kmix.layers.MultiHeadAttention`
+      (where they are layers of the model's graph; a `Softmax` that a block
+      creates inside itself runs in float32 instead);
+    - float32: normalization layers (their variables too, batch-norm
+      statistics included, under O2), `Activation("softmax")` /
       `Activation("log_softmax")` (and any layer whose `activation` is one
-      of these), the layer producing each model output, and `float32_layers`.
+      of these), the layers producing the model's outputs (looking through
+      `keras.ops` nodes and nested models), and `float32_layers`.
 
     Under a pure-half policy (O3, `"float16"`) every layer is half except
     `float32_layers`: O3 is the speed baseline. Under float32 compute (O0)
     every layer is float32. `kmix.layers.WithPolicy` layers keep their policy.
+    Layers nested in blocks and models are placed by the same rules.
 
     Args:
-        model: a `keras.Sequential` (built) or functional `keras.Model`.
+        model: a built `keras.Sequential`, a functional `keras.Model`, or a
+            subclass of one (keras-hub backbones and tasks). The model's
+            custom layers must be serializable (`get_config`), as for
+            `model.save`.
         policy: anything `kmix.Policy` accepts; `"O1"` by default.
         float32_layers: layer classes and/or layer names to keep in float32
-            as well.
+            as well; a block's or nested model's name covers its inside.
         verbose: print the table of layer, class, policy before and after.
         return_table: also return the table (an `AutocastTable` of
             `Placement(layer, cls, before, after, reason)` rows).
 
     Returns:
-        The new functional model, uncompiled, or `(model, table)` with
-        `return_table=True`. The global policy is left as it was: compile
-        inside `kmix.policy_scope(policy)` so that `kmix.wrap` picks the loss
-        scaling and master weights the policy needs.
+        The new model, of the same class, uncompiled, or `(model, table)`
+        with `return_table=True`. The global policy is left as it was:
+        compile inside `kmix.policy_scope(policy)` so that `kmix.wrap` picks
+        the loss scaling and master weights the policy needs.
 
     Raises:
-        TypeError: for a subclassed model, whose layer graph is not known.
-        ValueError: for an unbuilt Sequential model, or a name in
-            `float32_layers` that is no layer of the model.
+        TypeError: for a subclassed model with its own `call` (use
+            `kmix.policy_map` to build it placed instead).
+        ValueError: for an unbuilt model, or a name in `float32_layers` that
+            is no layer of the model.
 
     Example:
 
@@ -120,159 +99,112 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
     ...     fast.compile(optimizer=kmix.wrap("adam"), loss="mse")
     """
     policy = Policy(policy)
-    graph = _as_functional(model)
-    classes, names = _split_float32_layers(float32_layers)
-    named = _layers_named(graph, names)
-    outputs = _output_layers(graph)
-    pure = policy.params_dtype != "float32" and not policy.needs_master_weights
-    half_compute = policy.compute_dtype != "float32"
-    table = AutocastTable()
-    clones = []
-
-    def clone(layer):
-        new, row = _place(layer, policy, half_compute, pure, outputs, classes, named)
-        clones.append((layer, new))
-        table.append(row)
-        return new
-
-    new_model = keras.models.clone_model(graph, clone_function=clone, recursive=True)
-    for old, new in clones:
-        _copy_weights(old, new)
+    _check_model(model)
+    rules = Rules(policy, float32_layers)
+    plan = rules.plan(model)
+    dtype_map = keras.dtype_policies.DTypePolicyMap(default_policy=rules.default)
+    for _, layer, dtype, _ in plan:
+        if dtype is not None and dtype != rules.default.name and layer.weights and layer.path:
+            if layer.path not in dtype_map:
+                dtype_map[layer.path] = keras.DTypePolicy(dtype)
+    new_model = _rebuild(model, dtype_map, swap=rules.half_compute and not rules.pure)
+    table = _place_and_copy(model, plan, new_model, rules.plan(new_model))
     if verbose:
         print(table)
     return (new_model, table) if return_table else new_model
 
 
-def _as_functional(model):
-    if isinstance(model, keras.Sequential) and type(model) is keras.Sequential:
-        try:
-            inputs, outputs = model.inputs, model.outputs
-        except (AttributeError, ValueError):
-            raise ValueError(
-                f"Sequential model {model.name!r} is not built, so its layer graph is not known. "
-                "Start it with `keras.Input(shape)` or call `model.build(input_shape)` first."
-            ) from None
-        return keras.Model(inputs[0] if len(inputs) == 1 else inputs, outputs[0], name=model.name)
-    if type(model).__name__ == "Functional" and type(model).__module__.startswith("keras."):
-        # A fresh functional over the same layers: the copy starts uncompiled.
-        return keras.Model(model.input, model.output, name=model.name)
-    raise TypeError(
-        "kmix.autocast rebuilds the layer graph of a Sequential or functional keras.Model; "
-        f"received a {type(model).__name__}, whose graph (and any methods it overrides) a "
-        "rebuild would lose. Instead, create the model under `kmix.set_policy(...)` (or in a "
-        "`kmix.policy_scope(...)`), use `kmix.layers.Softmax` / `kmix.layers.MultiHeadAttention` "
-        "inside it, and wrap layers that must stay in float32 in "
-        "`kmix.layers.WithPolicy(layer, 'float32')`."
-    )
-
-
-def _split_float32_layers(float32_layers):
-    if float32_layers is None:
-        return (), set()
-    if isinstance(float32_layers, (str, type)):
-        float32_layers = [float32_layers]
-    classes, names = [], set()
-    for item in float32_layers:
-        if isinstance(item, type) and issubclass(item, keras.layers.Layer):
-            classes.append(item)
-        elif isinstance(item, str):
-            names.add(item)
-        else:
-            raise TypeError(
-                "`float32_layers` must hold layer classes or layer names. "
-                f"Received: {item!r} (of type {type(item).__name__}) in "
-                f"float32_layers={float32_layers!r}."
-            )
-    return tuple(classes), names
-
-
-def _layers_named(graph, names):
-    """The ids of the layers `names` picks; a nested model's name picks all its layers."""
-    layers = list(_all_layers(graph))
-    unknown = sorted(names - {layer.name for layer in layers})
-    if unknown:
-        raise ValueError(
-            f"`float32_layers` names {unknown}, which are no layers of model {graph.name!r}. "
-            f"Its layers are: {sorted(layer.name for layer in layers)}."
+def _check_model(model):
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"`model` must be a keras.Model. Received: model={model!r} (of type {type(model).__name__})."
         )
-    picked = set()
-    for layer in layers:
-        if layer.name in names:
-            picked.add(id(layer))
-            if isinstance(layer, keras.Model):
-                picked |= {id(sub) for sub in _all_layers(layer)}
-    return picked
+    if not isinstance(model, keras.Sequential) and not _compat.is_functional(model):
+        raise TypeError(
+            "kmix.autocast copies Sequential and functional models (keras-hub backbones and tasks "
+            f"included); received a {type(model).__name__}, a subclassed model whose `call` a copy "
+            "would not know. Instead, build the model with its layers placed: pass "
+            "`kmix.policy_map(built_float32_model, policy)` to `keras.config.set_dtype_policy` "
+            "(or as the model's `dtype`) before creating it, then copy the weights; keep "
+            "softmax in float32 with `kmix.layers.Softmax` / `kmix.layers.MultiHeadAttention`; "
+            "and wrap layers that must stay float32 in `kmix.layers.WithPolicy(layer, 'float32')`."
+        )
+    if not model.built:
+        raise ValueError(
+            f"Model {model.name!r} is not built, so its layers have no weights to copy. "
+            "Start it with `keras.Input(shape)` or call `model.build(input_shape)` first."
+        )
 
 
-def _all_layers(model):
-    for layer in model.layers:
-        yield layer
-        if isinstance(layer, keras.Model):
-            yield from _all_layers(layer)
+def _rebuild(model, dtype_map, swap):
+    """Serializes `model`, puts `dtype_map` in place of every layer dtype, deserializes."""
+    config = keras.saving.serialize_keras_object(model)
+    config.pop("compile_config", None)
+    map_config = keras.saving.serialize_keras_object(dtype_map)
+    replacements = safe_replacements() if swap else {}
+    config = _rewrite(config, map_config, {("keras.layers", k.__name__): v for k, v in replacements.items()})
+    custom = {type(layer).__name__: type(layer) for _, layer, _ in walk(model)}
+    custom[type(model).__name__] = type(model)
+    with _global_policy(dtype_map), keras.saving.custom_object_scope(custom):
+        # safe_mode=False: a Lambda's function is the user's own, from this process.
+        return keras.saving.deserialize_keras_object(config, safe_mode=False)
 
 
-def _output_layers(model):
-    """The ids of the layers producing `model`'s outputs, looking inside nested models."""
-    if isinstance(model, keras.Sequential):
-        last = [model.layers[-1]]
-    else:
-        last = [model.get_layer(name) for name in model.output_names]
-    found = set()
-    for layer in last:
-        found |= _output_layers(layer) if isinstance(layer, keras.Model) else {id(layer)}
-    return found
+def _rewrite(obj, map_config, replacements):
+    """A copy of a serialized config with each layer's dtype policy replaced by the map."""
+    if isinstance(obj, list):
+        return [_rewrite(item, map_config, replacements) for item in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if obj.get("registered_name") == "kmix>WithPolicy":
+        return obj  # keeps its own policy, inside too
+    out = {key: _rewrite(value, map_config, replacements) for key, value in obj.items()}
+    inner = out.get("config")
+    if isinstance(inner, dict) and _is_policy_config(inner.get("dtype")):
+        inner["dtype"] = map_config
+    new_cls = replacements.get((obj.get("module"), obj.get("class_name")))
+    if new_cls is not None:
+        out.update(module=new_cls.__module__, registered_name=keras.saving.get_registered_name(new_cls))
+    return out
 
 
-def _place(layer, policy, half_compute, pure, outputs, classes, named):
-    """The clone of `layer` under `policy`, and its table row."""
-    from kmix.layers import MultiHeadAttention, Softmax, WithPolicy
-
-    replacements = {keras.layers.Softmax: Softmax, keras.layers.MultiHeadAttention: MultiHeadAttention}
-    cls, new_cls = type(layer), type(layer)
-    half = policy.to_keras().name
-    if isinstance(layer, WithPolicy):
-        dtype, reason = None, "WithPolicy: kept"
-    elif isinstance(layer, classes) or id(layer) in named:
-        dtype, reason = "float32", "float32_layers"
-    elif not half_compute:
-        dtype, reason = half, "float32 policy"
-    elif pure:
-        dtype, reason = half, "pure half policy"
-    elif id(layer) in outputs:
-        dtype, reason = "float32", "model output"
-    elif isinstance(layer, _NORMALIZATION):
-        dtype, reason = "float32", "normalization"
-    elif _activation_name(layer) in _FLOAT32_ACTIVATIONS:
-        dtype, reason = "float32", f"{_activation_name(layer)} activation"
-    elif cls in replacements:
-        new_cls = replacements[cls]
-        dtype, reason = half, "kmix safe layer"
-    elif isinstance(layer, _HALF_LAYERS):
-        dtype, reason = half, "allow list"
-    else:
-        dtype, reason = half, "follows inputs"
-    config = layer.get_config()
-    if dtype is not None:
-        config["dtype"] = dtype
-    if isinstance(layer, keras.layers.Lambda):
-        # The function is the user's own, in this process: reloading its bytecode is safe,
-        # and the original object (with its closure) is put back in the copy.
-        new = new_cls.from_config(config, safe_mode=False)
-        new.function = layer.function
-    else:
-        new = new_cls.from_config(config)
-    cls_name = cls.__name__ if new_cls is cls else f"{cls.__name__} -> kmix.layers.{new_cls.__name__}"
-    row = Placement(layer.name, cls_name, layer.dtype_policy.name, new.dtype_policy.name, reason)
-    return new, row
+def _is_policy_config(value):
+    """A serialized `DTypePolicy` (or map); a plain string `dtype` is a tensor dtype (inputs, casts)."""
+    return isinstance(value, dict) and "DTypePolicy" in str(value.get("class_name", ""))
 
 
-def _activation_name(layer):
-    activation = getattr(layer, "activation", None)
-    if activation is None:
-        return None
-    if isinstance(activation, str):
-        return activation
-    return getattr(activation, "__name__", None)
+@contextlib.contextmanager
+def _global_policy(policy):
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
+def _place_and_copy(model, plan, new_model, new_plan):
+    """Places the copy's layers the map could not reach; copies the weights; the table."""
+    if len(plan) != len(new_plan):
+        raise ValueError(
+            f"The copy of model {model.name!r} has {len(new_plan)} layers where the model has "
+            f"{len(plan)}: a layer's `get_config` does not re-create it as it is."
+        )
+    table = AutocastTable()
+    for (path, old, _, _), (_, new, dtype, reason) in zip(plan, new_plan):
+        if dtype is not None and resolved_policy(new).name != dtype:
+            if new.weights and keras.DTypePolicy(dtype).variable_dtype != new.variable_dtype:
+                reason += f" (not placed: its variables are {new.variable_dtype})"
+            else:
+                new.dtype_policy = dtype  # a change of compute dtype only: safe after build
+        if isinstance(old, keras.layers.Lambda):
+            new.function = old.function  # the original object, with its closure
+        cls = type(old).__name__
+        if type(new) is not type(old):
+            cls += f" -> kmix.layers.{type(new).__name__}"
+        table.append(Placement(path, cls, resolved_policy(old).name, resolved_policy(new).name, reason))
+    _copy_weights(model, new_model)
+    return table
 
 
 def _copy_weights(old, new):
@@ -281,9 +213,8 @@ def _copy_weights(old, new):
         tuple(a.shape) != tuple(b.shape) for a, b in zip(old_weights, new_weights)
     ):
         raise ValueError(
-            f"Cannot copy the weights of layer {old.name!r} ({type(old).__name__}) into its "
-            f"autocast copy ({type(new).__name__}): shapes {[tuple(w.shape) for w in old_weights]} "
-            f"vs {[tuple(w.shape) for w in new_weights]}."
+            f"Cannot copy the weights of model {old.name!r} into its autocast copy: shapes "
+            f"{[tuple(w.shape) for w in old_weights]} vs {[tuple(w.shape) for w in new_weights]}."
         )
     for a, b in zip(old_weights, new_weights):
         b.assign(keras.ops.cast(a.value, b.dtype))

@@ -45,9 +45,15 @@ EXPECTED_O1 = {
 }
 
 
+def policy_name(layer):
+    """The Keras policy name a layer computes under, from its public dtypes (it may hold a map)."""
+    variable, compute = layer.variable_dtype, layer.compute_dtype
+    return variable if variable == compute else f"mixed_{compute}"
+
+
 def placements(model):
     return {
-        layer.name: (layer.dtype_policy.name, type(layer))
+        layer.name: (policy_name(layer), type(layer))
         for layer in model.layers
         if not isinstance(layer, keras.layers.InputLayer)
     }
@@ -61,9 +67,14 @@ def test_o1_moves_exactly_the_listed_layers():
     model = transformer_block()
     new, table = autocast(model, "O1", return_table=True)
     assert placements(new) == EXPECTED_O1
-    assert {row.layer: row.after for row in table} == {k: v[0] for k, v in EXPECTED_O1.items()}
+    top = [row for row in table if "/" not in row.layer]
+    assert {row.layer: row.after for row in top} == {k: v[0] for k, v in EXPECTED_O1.items()}
     assert all(row.before == "float32" for row in table)
-    assert sorted(table.moved()) == sorted(k for k, (p, _) in EXPECTED_O1.items() if p != "float32")
+    moved = [name for name in table.moved() if "/" not in name]
+    assert sorted(moved) == sorted(k for k, (p, _) in EXPECTED_O1.items() if p != "float32")
+    # Nested layers have rows too: the attention's projections follow it into half.
+    nested = {row.layer: row.after for row in table if row.layer.startswith("mha/")}
+    assert nested["mha/query"] == nested["mha/attention_output"] == "mixed_float16"
     assert isinstance(new, keras.Model) and new is not model
     # The original is untouched.
     assert {p for p, _ in placements(model).values()} == {"float32"}
@@ -117,14 +128,14 @@ def test_o3_is_pure_half_and_o0_pure_float32():
     assert {p for p, _ in full.values()} == {"float32"}
 
 
-def test_sequential_gives_a_functional_model():
+def test_sequential_stays_sequential():
     seq = keras.Sequential(
         [keras.Input((4,)), keras.layers.Dense(8), keras.layers.BatchNormalization(), keras.layers.Dense(2)],
         name="seq",
     )
     new = autocast(seq, "O1")
-    assert not isinstance(new, keras.Sequential)
-    assert [layer.dtype_policy.name for layer in new.layers[1:]] == ["mixed_float16", "float32", "float32"]
+    assert type(new) is keras.Sequential and new is not seq
+    assert [policy_name(layer) for layer in new.layers] == ["mixed_float16", "float32", "float32"]
     x = sample((3, 4))
     np.testing.assert_allclose(new.predict(x, verbose=0), seq.predict(x, verbose=0), rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="not built"):
@@ -142,8 +153,37 @@ def test_subclassed_model_is_refused_with_advice():
 
     net = Net()
     net(np.ones((1, 3), np.float32))
-    with pytest.raises(TypeError, match=r"Net.*set_policy.*WithPolicy"):
+    with pytest.raises(TypeError, match=r"Net.*policy_map.*WithPolicy"):
         autocast(net)
+
+
+def test_policy_map_places_a_subclassed_model_built_under_it():
+    class Net(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.proj = keras.layers.Dense(8, name="proj")
+            self.norm = keras.layers.BatchNormalization(name="norm")
+            self.out = keras.layers.Dense(2, name="out")
+
+        def call(self, x, training=False):
+            return self.out(self.norm(self.proj(x), training=training))
+
+    x = sample((5, 4))
+    template = Net(name="net")  # layer paths start with the model's name: build both alike
+    template(x)
+    dtype_map = kmix.policy_map(template, "O2")
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(dtype_map)
+    try:
+        net = Net(name="net")
+        net(x)
+    finally:
+        keras.config.set_dtype_policy(previous)
+    net.set_weights(template.get_weights())
+    # O2: half matmuls, float32 batch norm (statistics included); outputs are not known here.
+    assert net.proj.kernel.dtype == "float16" and net.proj.compute_dtype == "float16"
+    assert {v.dtype for v in net.norm.weights} == {"float32"}
+    np.testing.assert_allclose(net(x), template(x), atol=2e-2)
 
 
 def test_nested_model_and_with_policy():
@@ -155,10 +195,10 @@ def test_nested_model_and_with_policy():
     new, table = autocast(model, "O1", return_table=True)
     rows = {row.layer: row for row in table}
     assert rows["wp"].after == "float16" and rows["wp"].reason == "WithPolicy: kept"
-    assert rows["inner_a"].after == "mixed_float16"
-    assert rows["inner_out"].after == "float32"  # it produces the outer model's output
+    assert rows["inner/inner_a"].after == "mixed_float16"
+    assert rows["inner/inner_out"].after == "float32"  # it produces the outer model's output
     new2 = autocast(model, "O1", float32_layers=["inner"])
-    assert new2.get_layer("inner").get_layer("inner_a").dtype_policy.name == "float32"
+    assert policy_name(new2.get_layer("inner").get_layer("inner_a")) == "float32"
 
 
 def test_shared_layers_and_lambdas_with_closures():

@@ -1,0 +1,301 @@
+"""Where each layer of a model runs: the opt levels' allow/deny lists, and `policy_map`.
+
+The rules are those of Apex O1 and `torch.autocast`: matmuls, convolutions,
+embeddings and attention projections run in the half compute dtype;
+normalization layers, softmax / log-softmax and the layers producing the
+model's outputs stay in float32. They are applied to every layer of a model,
+layers nested in other layers and models included, by `kmix.autocast` and by
+`kmix.policy_map` (the route for subclassed models).
+"""
+
+import keras
+
+from kmix import _compat
+from kmix.policy.policy import Policy
+
+# Float32 islands: statistics over many elements, where half loses precision.
+_NORMALIZATION = tuple(
+    getattr(keras.layers, name)
+    for name in (
+        "BatchNormalization",
+        "LayerNormalization",
+        "GroupNormalization",
+        "UnitNormalization",
+        "RMSNormalization",
+        "SpectralNormalization",
+        "Normalization",
+    )
+    if hasattr(keras.layers, name)
+)
+_FLOAT32_ACTIVATIONS = ("softmax", "log_softmax")
+# Listed for the table: layers whose matmuls are what half precision speeds up.
+_HALF_LAYERS = tuple(
+    getattr(keras.layers, name)
+    for name in (
+        "Dense",
+        "EinsumDense",
+        "Conv1D",
+        "Conv2D",
+        "Conv3D",
+        "Conv1DTranspose",
+        "Conv2DTranspose",
+        "Conv3DTranspose",
+        "DepthwiseConv1D",
+        "DepthwiseConv2D",
+        "SeparableConv1D",
+        "SeparableConv2D",
+        "Embedding",
+        "MultiHeadAttention",
+        "GroupedQueryAttention",
+        "Attention",
+        "AdditiveAttention",
+    )
+    if hasattr(keras.layers, name)
+)
+
+
+def safe_replacements():
+    """Keras layers that `autocast` swaps for kmix's: `{keras class: kmix class}`."""
+    from kmix.layers import MultiHeadAttention, Softmax
+
+    return {keras.layers.Softmax: Softmax, keras.layers.MultiHeadAttention: MultiHeadAttention}
+
+
+def walk(root):
+    """`(path, layer, parent)` for every layer inside `root`, depth first, each layer once.
+
+    `path` joins the names from `root` down (`"encoder/attention/query"`).
+    Layers are found through the attributes of their parents, so layers that
+    a custom layer or a keras-hub block creates in `build` are found too.
+    Input layers are left out.
+    """
+    seen = {id(root)}
+
+    def visit(layer, prefix):
+        for child in _children(layer):
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            path = f"{prefix}{child.name}"
+            if not isinstance(child, keras.layers.InputLayer):
+                yield path, child, layer
+            yield from visit(child, path + "/")
+
+    yield from visit(root, "")
+
+
+def _children(layer):
+    """The layers held directly by `layer`'s attributes (not through another layer), in order."""
+    found, stack, seen = [], list(reversed(list(vars(layer).values()))), set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, keras.layers.Layer):
+            found.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(reversed(obj))
+        elif isinstance(obj, dict):
+            stack.extend(reversed(list(obj.values())))
+    return found
+
+
+def resolved_policy(layer):
+    """The `keras.DTypePolicy` `layer` computes under (a `DTypePolicyMap` looked up by path)."""
+    policy = layer.dtype_policy
+    if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+        return policy[layer.path] if layer.path else policy.default_policy
+    return policy
+
+
+class Rules:
+    """The placement rules of one policy, for the layers of one model.
+
+    Args:
+        policy: a `kmix.Policy`.
+        float32_layers: layer classes and/or layer names (a nested model's
+            or block's name covers everything inside it) kept in float32.
+    """
+
+    def __init__(self, policy, float32_layers=None):
+        self.policy = policy
+        self.default = policy.to_keras()
+        self.classes, self.names = _split_float32_layers(float32_layers)
+        self.half_compute = policy.compute_dtype != "float32"
+        self.pure = policy.params_dtype != "float32" and not policy.needs_master_weights
+
+    def plan(self, model):
+        """`[(path, layer, keras_policy_name_or_None, reason)]` for every layer of `model`.
+
+        `None` means "keep the layer's own policy" (inside a `WithPolicy`).
+        """
+        from kmix.layers import WithPolicy
+
+        rows = list(walk(model))
+        self._check_names(model, rows)
+        kept = _subtree_ids([layer for _, layer, _ in rows if isinstance(layer, WithPolicy)])
+        named = _subtree_ids([layer for _, layer, _ in rows if layer.name in self.names])
+        outputs = _output_layers(model)
+        plan = []
+        for path, layer, parent in rows:
+            if id(layer) in kept:
+                dtype, reason = None, "WithPolicy: kept"
+            else:
+                in_block = not _is_graph_model(parent)
+                dtype, reason = self._place(layer, id(layer) in named, id(layer) in outputs, in_block)
+            plan.append((path, layer, dtype, reason))
+        return plan
+
+    def _place(self, layer, named, output, in_block):
+        """The Keras policy name and the reason; `in_block`: created inside a layer, not a graph."""
+        half = self.default.name
+        if named or isinstance(layer, self.classes):
+            return "float32", "float32_layers"
+        if not self.half_compute:
+            return half, "float32 policy"
+        if self.pure:
+            return half, "pure half policy"
+        if in_block and not layer.weights:
+            # A block re-creates its weightless sublayers from its own dtype when it is loaded:
+            # a placement of theirs would not survive `model.save`.
+            return half, "in a block"
+        if output:
+            if any(True for _ in walk(layer)):
+                # Inside, a block adds and multiplies raw tensors, which must share one dtype.
+                return half, "model output, but a block: keeps its dtype"
+            return "float32", "model output"
+        if isinstance(layer, _NORMALIZATION):
+            if in_block:
+                # Keras's norms compute their statistics in float32 whatever the policy; inside a
+                # block their output must keep the block's dtype (its residual adds are raw `+`).
+                return f"mixed_{self.policy.compute_dtype}", "normalization (in a block)"
+            return "float32", "normalization"
+        activation = _activation_name(layer)
+        if activation in _FLOAT32_ACTIVATIONS:
+            return "float32", f"{activation} activation"
+        if type(layer) in safe_replacements() and not in_block:
+            return half, "kmix safe layer"
+        if isinstance(layer, keras.layers.Softmax) and not _is_kmix(layer):
+            return "float32", "softmax"
+        if isinstance(layer, _HALF_LAYERS):
+            return half, "allow list"
+        return half, "follows inputs"
+
+    def _check_names(self, model, rows):
+        unknown = sorted(self.names - {layer.name for _, layer, _ in rows})
+        if unknown:
+            raise ValueError(
+                f"`float32_layers` names {unknown}, which are no layers of model {model.name!r}. "
+                f"Its layers are: {sorted({layer.name for _, layer, _ in rows})}."
+            )
+
+
+def policy_map(model, policy="O1", float32_layers=None):
+    """A `keras.dtype_policies.DTypePolicyMap` that gives `model`'s layers `policy`'s placement.
+
+    The route for models `kmix.autocast` cannot rebuild (a subclassed model
+    with its own `call`), and for keras-hub backbones, which accept a policy
+    map as their `dtype`. The map is keyed by layer path: build a fresh
+    instance of the model with the map as the global dtype policy (or as its
+    `dtype`), and its layers take the placement as they create their
+    variables. Layers without variables and the model's outputs are not keyed
+    by path; `kmix.autocast` places those as well.
+
+    Args:
+        model: a built model (any kind), named as the model you will build
+            and with its layers named alike: the map is keyed by layer path,
+            which starts with a subclassed model's name.
+        policy: anything `kmix.Policy` accepts; `"O1"` by default.
+        float32_layers: layer classes and/or layer names to keep in float32.
+
+    Returns:
+        A `DTypePolicyMap` whose default is `policy.to_keras()`, with an
+        entry for each layer with variables that the rules place elsewhere.
+
+    Example:
+
+    >>> template = MyModel(name="net"); template(x)                # float32
+    >>> keras.config.set_dtype_policy(kmix.policy_map(template, "O2"))
+    >>> model = MyModel(name="net"); model(x)                      # float32 norms, half dense
+    >>> keras.config.set_dtype_policy("float32")
+    >>> model.set_weights(template.get_weights())
+    """
+    rules = Rules(Policy(policy), float32_layers)
+    dtype_map = keras.dtype_policies.DTypePolicyMap(default_policy=rules.default)
+    for _, layer, dtype, _ in rules.plan(model):
+        if dtype is None or not layer.weights or not layer.path or layer.path in dtype_map:
+            continue
+        if dtype != rules.default.name:
+            dtype_map[layer.path] = keras.DTypePolicy(dtype)
+    return dtype_map
+
+
+def _split_float32_layers(float32_layers):
+    if float32_layers is None:
+        return (), set()
+    if isinstance(float32_layers, (str, type)):
+        float32_layers = [float32_layers]
+    classes, names = [], set()
+    for item in float32_layers:
+        if isinstance(item, type) and issubclass(item, keras.layers.Layer):
+            classes.append(item)
+        elif isinstance(item, str):
+            names.add(item)
+        else:
+            raise TypeError(
+                "`float32_layers` must hold layer classes or layer names. "
+                f"Received: {item!r} (of type {type(item).__name__}) in "
+                f"float32_layers={float32_layers!r}."
+            )
+    return tuple(classes), names
+
+
+def _subtree_ids(layers):
+    ids = set()
+    for layer in layers:
+        ids.add(id(layer))
+        ids |= {id(sub) for _, sub, _ in walk(layer)}
+    return ids
+
+
+def _output_layers(model):
+    """The ids of the layers producing `model`'s outputs, through ops nodes and nested models."""
+    if isinstance(model, keras.Sequential):
+        last = model.layers[-1] if model.layers else None
+        if last is None:
+            return set()
+        return _output_layers(last) if isinstance(last, keras.Model) else {id(last)}
+    if not _is_graph_model(model):
+        return set()
+    found = set()
+    stack = list(keras.tree.flatten(model.outputs))
+    while stack:
+        operation, node_index = _compat.producer(stack.pop())
+        if isinstance(operation, keras.layers.InputLayer) or operation is None:
+            continue
+        if isinstance(operation, keras.Model) and _is_graph_model(operation):
+            found |= _output_layers(operation)
+        elif isinstance(operation, keras.layers.Layer):
+            found.add(id(operation))
+        else:  # an ops node (`GetItem`, `Mean`, ...): its result dtype follows its inputs
+            stack.extend(_compat.node_inputs(operation, node_index))
+    return found
+
+
+def _is_graph_model(model):
+    """A Sequential or functional model (a keras-hub backbone included): its graph is known."""
+    return isinstance(model, keras.Sequential) or _compat.is_functional(model)
+
+
+def _is_kmix(layer):
+    return type(layer).__module__.startswith("kmix.")
+
+
+def _activation_name(layer):
+    activation = getattr(layer, "activation", None)
+    if activation is None:
+        return None
+    if isinstance(activation, str):
+        return activation
+    return getattr(activation, "__name__", None)
