@@ -102,11 +102,7 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
     _check_model(model)
     rules = Rules(policy, float32_layers)
     plan = rules.plan(model)
-    dtype_map = keras.dtype_policies.DTypePolicyMap(default_policy=rules.default)
-    for _, layer, dtype, _ in plan:
-        if dtype is not None and dtype != rules.default.name and layer.weights and layer.path:
-            if layer.path not in dtype_map:
-                dtype_map[layer.path] = keras.DTypePolicy(dtype)
+    dtype_map = rules.dtype_map(model, plan)
     new_model = _rebuild(model, dtype_map, swap=rules.half_compute and not rules.pure)
     table = _place_and_copy(model, plan, new_model, rules.plan(new_model))
     if verbose:
@@ -121,7 +117,7 @@ def _check_model(model):
         )
     if not isinstance(model, keras.Sequential) and not _compat.is_functional(model):
         raise TypeError(
-            "kmix.autocast copies Sequential and functional models (keras-hub backbones and tasks "
+            "kmix.autocast copies Sequential or functional models (keras-hub backbones and tasks "
             f"included); received a {type(model).__name__}, a subclassed model whose `call` a copy "
             "would not know. Instead, build the model with its layers placed: pass "
             "`kmix.policy_map(built_float32_model, policy)` to `keras.config.set_dtype_policy` "

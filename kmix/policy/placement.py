@@ -85,7 +85,9 @@ def walk(root):
 
 
 def _children(layer):
-    """The layers held directly by `layer`'s attributes (not through another layer), in order."""
+    """The layers directly inside `layer`: a graph model's layers, else those its attributes hold."""
+    if _is_graph_model(layer):
+        return list(layer.layers)  # not the hidden functional model a Sequential keeps
     found, stack, seen = [], list(reversed(list(vars(layer).values()))), set()
     while stack:
         obj = stack.pop()
@@ -147,6 +149,24 @@ class Rules:
             plan.append((path, layer, dtype, reason))
         return plan
 
+    def dtype_map(self, model, plan):
+        """The `DTypePolicyMap` of `plan` (from `self.plan(model)`): entries for layers with variables.
+
+        A layer's path may or may not start with the model's name, depending on
+        how the model was built (a Sequential built from `keras.Input` or from
+        its config): each entry is keyed both ways.
+        """
+        dtype_map = keras.dtype_policies.DTypePolicyMap(default_policy=self.default)
+        prefix = f"{model.name}/"
+        for _, layer, dtype, _ in plan:
+            if dtype is None or dtype == self.default.name or not layer.weights or not layer.path:
+                continue
+            relative = layer.path[len(prefix):] if layer.path.startswith(prefix) else layer.path
+            for key in (relative, prefix + relative):
+                if key not in dtype_map:
+                    dtype_map[key] = keras.DTypePolicy(dtype)
+        return dtype_map
+
     def _place(self, layer, named, output, in_block):
         """The Keras policy name and the reason; `in_block`: created inside a layer, not a graph."""
         half = self.default.name
@@ -160,7 +180,7 @@ class Rules:
             # A block re-creates its weightless sublayers from its own dtype when it is loaded:
             # a placement of theirs would not survive `model.save`.
             return half, "in a block"
-        if output:
+        if output and self.policy.output_dtype == "float32":
             if any(True for _ in walk(layer)):
                 # Inside, a block adds and multiplies raw tensors, which must share one dtype.
                 return half, "model output, but a block: keeps its dtype"
@@ -222,13 +242,7 @@ def policy_map(model, policy="O1", float32_layers=None):
     >>> model.set_weights(template.get_weights())
     """
     rules = Rules(Policy(policy), float32_layers)
-    dtype_map = keras.dtype_policies.DTypePolicyMap(default_policy=rules.default)
-    for _, layer, dtype, _ in rules.plan(model):
-        if dtype is None or not layer.weights or not layer.path or layer.path in dtype_map:
-            continue
-        if dtype != rules.default.name:
-            dtype_map[layer.path] = keras.DTypePolicy(dtype)
-    return dtype_map
+    return rules.dtype_map(model, rules.plan(model))
 
 
 def _split_float32_layers(float32_layers):

@@ -1,0 +1,173 @@
+"""autocast on models nobody on this team wrote: keras-hub BERT and GPT-2, keras.ops graphs, a BN CNN.
+
+Each model is built tiny from constructor arguments (no presets, no downloads),
+placed under O1, O2 and mixed_bfloat16, and compared with its float32 self:
+same predictions within half-precision rounding, float32 batch norm under O2,
+outputs in the policy's output dtype, a few XLA-compiled `fit` steps with
+`kmix.wrap` that lower the loss, and an exact `.keras` round trip.
+"""
+
+import os
+import tempfile
+
+import keras
+import numpy as np
+import pytest
+
+import kmix
+
+keras_hub = pytest.importorskip("keras_hub")
+
+SEQ, VOCAB, BATCH = 12, 40, 8
+# Worst error of a prediction, relative to the float32 output's largest value.
+TOLERANCE = {"float16": 3e-2, "bfloat16": 1.2e-1}
+LEVELS = ["O1", "O2", "mixed_bfloat16"]
+
+
+def _token_inputs(rng, padding=True):
+    lengths = rng.integers(SEQ // 2, SEQ + 1, (BATCH, 1)) if padding else np.full((BATCH, 1), SEQ)
+    return {
+        "token_ids": rng.integers(1, VOCAB, (BATCH, SEQ)).astype("int32"),
+        "padding_mask": (np.arange(SEQ)[None] < lengths).astype("int32"),
+    }
+
+
+def bert_classifier(rng):
+    """BertBackbone (given a policy map as dtype) with BERT-style `h[:, 0, :]` pooling and a head."""
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=32, intermediate_dim=64,
+        max_sequence_length=SEQ, dtype=keras.dtype_policies.DTypePolicyMap(default_policy="float32"),
+    )
+    inputs = {
+        "token_ids": keras.Input((SEQ,), dtype="int32", name="token_ids"),
+        "segment_ids": keras.Input((SEQ,), dtype="int32", name="segment_ids"),
+        "padding_mask": keras.Input((SEQ,), dtype="int32", name="padding_mask"),
+    }
+    sequence = backbone(inputs)["sequence_output"]
+    logits = keras.layers.Dense(3, name="classifier")(sequence[:, 0, :])
+    x = dict(_token_inputs(rng), segment_ids=np.zeros((BATCH, SEQ), "int32"))
+    y = rng.integers(0, 3, (BATCH,))
+    return keras.Model(inputs, logits, name="bert_classifier"), x, y
+
+
+def gpt2_lm(rng):
+    """keras-hub's GPT2CausalLM (a task: a functional subclass) without a preprocessor."""
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=32, intermediate_dim=64,
+        max_sequence_length=SEQ,
+    )
+    x = _token_inputs(rng, padding=False)
+    y = np.roll(x["token_ids"], -1, axis=1)
+    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None), x, y
+
+
+def mean_pool(rng):
+    """A functional graph of keras.ops nodes: mean, reshape, arithmetic between tensors, a slice."""
+    inputs = keras.Input((SEQ, 8), name="x")
+    h = keras.layers.Dense(16, activation="relu", name="proj")(inputs)
+    h = keras.layers.LayerNormalization(name="norm")(h)
+    pooled = keras.ops.mean(h, axis=1) * 0.5 + h[:, 0, :]
+    pooled = keras.ops.reshape(pooled, (-1, 4, 4))
+    logits = keras.layers.Dense(3, name="logits")(keras.layers.Flatten(name="flat")(pooled))
+    x = rng.normal(size=(BATCH, SEQ, 8)).astype("float32")
+    return keras.Model(inputs, logits, name="mean_pool"), x, rng.integers(0, 3, (BATCH,))
+
+
+def cnn_bn(rng):
+    """A small CNN with batch normalization (Sequential)."""
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 3)),
+            keras.layers.Conv2D(8, 3, padding="same", name="conv"),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.ReLU(name="relu"),
+            keras.layers.GlobalAveragePooling2D(name="pool"),
+            keras.layers.Dense(3, name="logits"),
+        ],
+        name="cnn_bn",
+    )
+    x = rng.normal(size=(BATCH, 8, 8, 3)).astype("float32")
+    return model, x, rng.integers(0, 3, (BATCH,))
+
+
+MODELS = {"bert": bert_classifier, "gpt2": gpt2_lm, "mean_pool": mean_pool, "cnn_bn": cnn_bn}
+
+
+def _numpy(outputs):
+    return keras.ops.convert_to_numpy(outputs).astype("float64")
+
+
+def _dtypes(model):
+    return [(v.path, str(v.dtype)) for v in model.weights]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_autocast_real_model(name, level):
+    rng = np.random.default_rng(0)
+    model, x, y = MODELS[name](rng)
+    policy = kmix.Policy(level)
+    expected = _numpy(model(x, training=False))
+
+    new = kmix.autocast(model, level)
+    assert type(new) is type(model) and new is not model
+
+    # Predicts like the float32 model within half rounding, outputs in the policy's dtype.
+    got = new(x, training=False)
+    if policy.output_dtype == "float32":  # under a Keras name the model's own layers decide
+        assert keras.backend.standardize_dtype(got.dtype) == "float32"
+    tolerance = TOLERANCE[policy.compute_dtype] * np.abs(expected).max()
+    np.testing.assert_allclose(_numpy(got), expected, atol=tolerance, rtol=0)
+
+    # Parameters in the policy's dtype, but normalization (batch-norm statistics included) and
+    # the layer producing the output (GPT-2's tied embedding) in float32 when outputs are.
+    output_layers = ("classifier", "logits") + (("token_embedding",) if name == "gpt2" else ())
+    for variable in new.weights:
+        if any(part in variable.path for part in ("norm", "bn/")):
+            assert variable.dtype == "float32", variable.path
+        elif variable.path.split("/")[-2] in output_layers or variable.path.split("/")[0] in output_layers:
+            want = "float32" if policy.output_dtype == "float32" else policy.params_dtype
+            assert variable.dtype == want, (variable.path, variable.dtype)
+        else:
+            assert variable.dtype == policy.params_dtype, (variable.path, variable.dtype)
+
+    # Same weights, and an exact round trip through .keras with no custom_objects.
+    for old, copy in zip(model.weights, new.weights):
+        np.testing.assert_array_equal(_numpy(copy), _numpy(old).astype(copy.dtype).astype("float64"))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model.keras")
+        new.save(path)
+        loaded = keras.models.load_model(path)
+    assert type(loaded) is type(model) and _dtypes(loaded) == _dtypes(new)
+    np.testing.assert_array_equal(_numpy(loaded(x, training=False)), _numpy(got))
+
+
+# XLA compiles of the keras-hub models take 15-50 s each on a 2-core CPU: they train under O2
+# (half parameters, float32 master weights, dynamic scale), the other levels on the small models.
+TRAIN = [(name, "O2") for name in sorted(MODELS)] + [
+    (name, level) for name in ("cnn_bn", "mean_pool") for level in ("O1", "mixed_bfloat16")
+]
+
+
+@pytest.mark.parametrize("name, level", TRAIN)
+def test_autocast_real_model_trains_with_xla(name, level):
+    """A few XLA-compiled `fit` steps with `kmix.wrap` lower the loss; skipped steps back the scale off."""
+    rng = np.random.default_rng(1)
+    model, x, y = MODELS[name](rng)
+    new = kmix.autocast(model, level)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    with kmix.policy_scope(level):
+        optimizer = kmix.wrap(keras.optimizers.Adam(5e-3))
+        new.compile(optimizer=optimizer, loss=loss_fn, jit_compile=True)
+    before = float(loss_fn(y, new(x, training=False)))
+    history = new.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0).history["loss"]
+    after = float(loss_fn(y, new(x, training=False)))
+    assert np.isfinite(history).all() and after < before, (before, after, history)
+    # Float16 gradients of a fresh model may overflow at the first scale (2^15): each skipped
+    # step halves it; the others are applied.
+    skipped = int(optimizer.skipped_steps)
+    assert int(optimizer.iterations) + skipped == 5 and skipped < 5
+    expected_scale = 2.0**15 / 2**skipped if kmix.Policy(level).needs_loss_scaling else 1.0
+    assert float(optimizer.loss_scale) == expected_scale
+    if level == "O2":  # the half parameters follow their float32 master copies
+        assert optimizer.master_weights and any(v.dtype == "float16" for v in new.trainable_weights)
