@@ -277,10 +277,10 @@ def _decide(model, policy, run, flaky, masks, bfloat16_available, n_batches):
             continue
         if node in masks:
             reasons[node] = "mask"
-        elif node in origins:
-            reasons[node] = "inside"
         elif row.output.overflow:
             reasons[node] = "output"
+        elif node in origins:
+            reasons[node] = "inside"
         elif row.input_max > limits.max:
             reasons[node] = "input"
     for node, row in run.stats.items():
