@@ -5,11 +5,10 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from kmix.diagnose import data, probe, report
+from kmix.diagnose import data, graph, probe, report
 
 MARGIN = 8.0  # the recommended scale keeps the largest gradient this far below the half maximum
 SCALE_RANGE = (2.0**-24, 2.0**24)  # kmix.LossScaleOptimizer's default cap is 2^24
-TRACE_LIMIT = 32  # layers whose half-precision graph is inspected for -inf constants
 
 
 def diagnose(model, x, y=None, policy="mixed_float16", batches=4, batch_size=32, bfloat16_available=None):
@@ -89,7 +88,7 @@ def diagnose(model, x, y=None, policy="mixed_float16", batches=4, batch_size=32,
         with np.errstate(over="ignore", invalid="ignore"), probe.layer_policies(nodes, lambda n: None if n.kept else f"mixed_{half}"):
             for bx, _, _ in found:
                 flaky.batch(model, nodes, bx)
-            masks = _trace_nonfinite(flaky, run, half, limits)
+            masks = graph.trace_nonfinite(flaky.calls, flaky.first_args, half, limits.max)
     finally:
         _restore(snapshot)
     return _decide(model, policy, run, flaky, masks, bfloat16_available, len(found))
@@ -203,58 +202,6 @@ class _HalfRun:
         with probe.patched_calls(nodes, hook):
             model(x, training=True)
         self.calls.append(calls)
-
-
-def _trace_nonfinite(flaky, run, half, limits):
-    """For layers that turn non-finite in half, the constants beyond the half range inside them.
-
-    Returns:
-        {node: (values, feeds_softmax)}, innermost layers only: a block
-        whose sub-layer already shows the constant is not listed again.
-    """
-    found = {}
-    order = [node for calls in flaky.calls for node, _, ok in calls if not ok]
-    for node in list(dict.fromkeys(order))[:TRACE_LIMIT]:
-        if any(inner is not node and node in set(inner.ancestors()) for inner in found):
-            continue
-        args, kwargs = flaky.first_args[node]
-        try:
-            fn = tf.function(lambda a, k, layer=node.layer: layer(*a, **k), autograph=False)
-            graph = fn.get_concrete_function(args, kwargs).graph
-        except Exception:  # noqa: BLE001  a layer that cannot be traced is simply not inspected
-            continue
-        values, softmax = _big_constants(graph, half, limits.max)
-        if values:
-            found[node] = (values, softmax)
-    return found
-
-
-def _big_constants(graph, half, limit):
-    """The constants beyond the half range in `graph`, and whether any reaches a softmax."""
-    half = tf.as_dtype(half)
-    sources, values = [], []
-    for op in graph.get_operations():
-        if op.type == "Const" and op.get_attr("dtype") == half:
-            value = tf.make_ndarray(op.get_attr("value")).astype(np.float32)
-            if not np.isfinite(value).all():
-                sources.append(op)
-                values.append(float(value[~np.isfinite(value)].flat[0]))
-        elif op.type == "Cast" and op.outputs[0].dtype == half and op.inputs[0].op.type == "Const":
-            value = tf.make_ndarray(op.inputs[0].op.get_attr("value")).astype(np.float64)
-            if (np.abs(value) > limit).any():
-                sources.append(op)
-                values.append(float(value[np.abs(value) > limit].flat[0]))
-    seen, frontier = set(), list(sources)
-    while frontier:
-        op = frontier.pop()
-        if op.type in ("Softmax", "LogSoftmax"):
-            return values, True
-        for out in op.outputs:
-            for consumer in out.consumers():
-                if consumer.name not in seen:
-                    seen.add(consumer.name)
-                    frontier.append(consumer)
-    return values, False
 
 
 def _decide(model, policy, run, flaky, masks, bfloat16_available, n_batches):

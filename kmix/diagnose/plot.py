@@ -7,6 +7,8 @@ import numpy as np
 from kmix.diagnose import probe
 
 _PER_BAR = 4  # bins of the histogram's 16 per octave grouped into one bar
+_REASONS = {"mask": "-inf mask inside", "output": "output overflows", "inside": "overflows inside",
+            "input": "input overflows"}
 
 
 def plot_diagnosis(diagnosis, path):
@@ -20,7 +22,8 @@ def plot_diagnosis(diagnosis, path):
     _gradients(ax_grad, diagnosis)
     _activations(ax_act, diagnosis)
     fig.suptitle(f"kmix.diagnose: {diagnosis.model_name}, float32 vs {diagnosis.policy.name}", fontsize=12)
-    fig.tight_layout()
+    longest = max([len(_short(r.path)) for r in diagnosis.layers] + [4])
+    fig.subplots_adjust(left=0.05, right=0.99, top=0.88, bottom=min(0.12 + 0.0075 * longest, 0.34), wspace=0.15)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
@@ -61,10 +64,10 @@ def _gradients(ax, d):
             ax.annotate("", xy=(x0 + shift, y0 * 1.04), xytext=(x0, y0 * 1.04),
                         arrowprops={"arrowstyle": "->", "color": "black"})
     ax.set_xlim(lo, hi)
-    ax.set_ylim(0, max(share.max() * 1.25 if total > 1 else 1.0, 1.0))
+    ax.set_ylim(0, max(share.max() * 1.7 if total > 1 else 1.0, 1.0))  # room for the legend
     ax.set(title=f"gradients (activations and weights): {total:,} nonzero values",
            xlabel="log2 |gradient|", ylabel="% of nonzero values")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper left", ncol=2, framealpha=0.9)
 
 
 def _activations(ax, d):
@@ -84,22 +87,34 @@ def _activations(ax, d):
     if flagged.any():
         ax.scatter(xs[flagged], values[flagged], s=45, color="tab:red", marker="D", zorder=4,
                    label="needs float32 (see the findings)")
+        for i in np.nonzero(flagged)[0]:
+            ax.annotate(_REASONS[d._reasons[rows[i].path][0]], xy=(xs[i], values[i]), xytext=(4, -12),
+                        textcoords="offset points", fontsize=7, color="tab:red")
     if d.first_nonfinite_layer is not None:
         i = next(i for i, r in enumerate(rows) if r.path == d.first_nonfinite_layer)
         ax.annotate(f"first non-finite in {half}:\n{rows[i].path}", xy=(xs[i], values[i]),
-                    xytext=(0.5, 0.93), textcoords="axes fraction", ha="center", va="top", fontsize=9,
+                    xytext=(0.25, 0.93), textcoords="axes fraction", ha="center", va="top", fontsize=9,
                     arrowprops={"arrowstyle": "->", "color": "tab:red"})
     ax.set_yscale("log")
     top = max(values.max() if values.size else 1.0, limit)
-    ax.set_ylim(min(values.min() if values.size else 1.0, 1e-2) / 3, top * 300)
+    ax.set_ylim(min(values.min() if values.size else 1.0, 1e-2) / 3, top * 1e4)  # room for the legend
     step = max(1, math.ceil(len(rows) / 40))
     ax.set_xticks(xs[::step])
-    ax.set_xticklabels([rows[i].path for i in xs[::step]], rotation=75, ha="right", fontsize=7)
+    ax.set_xticklabels([_short(rows[i].path) for i in xs[::step]], rotation=60, ha="right", fontsize=7)
     ax.set(title="largest |activation| per layer, in call order", ylabel="max |output| (float32 run)")
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=8, loc="upper right", framealpha=0.9)
+
+
+def _short(path, width=30):
+    """A layer path cut to its last `width` characters, on a `/` where possible."""
+    if len(path) <= width:
+        return path
+    tail = path[-width:]
+    return "..." + (tail[tail.index("/"):] if "/" in tail[:-3] else tail)
 
 
 def _pct(fraction):
     from kmix.diagnose.report import _percent
 
-    return _percent(fraction)
+    text = _percent(fraction)
+    return text if text.endswith("%") else text + "%"
