@@ -6,6 +6,7 @@ import numpy as np
 import tensorflow as tf
 
 from kmix.diagnose import data, graph, probe, report
+from kmix.policy import Policy
 
 MARGIN = 8.0  # the recommended scale keeps the largest gradient this far below the half maximum
 SCALE_RANGE = (2.0**-24, 2.0**24)  # kmix.LossScaleOptimizer's default cap is 2^24
@@ -246,9 +247,9 @@ def _decide(model, policy, run, flaky, masks, bfloat16_available, n_batches):
         bfloat16_available = _device_has_bfloat16()
     overflow = any(reasons.get(n) in ("output", "input", "inside") for n in nodes)
     if half == "float16" and overflow and bfloat16_available:
-        recommended = report.Policy("mixed_bfloat16")
+        recommended = Policy("mixed_bfloat16")
     elif reasons:
-        recommended = report.Policy("O1", half=half)
+        recommended = Policy("O1", half=half)
     else:
         recommended = policy
     return report.Diagnosis(

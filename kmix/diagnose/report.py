@@ -4,7 +4,6 @@ import math
 
 from kmix import _checks as checks
 from kmix.diagnose import probe
-from kmix.policy import Policy
 
 MARGIN_WORDS = "8x"  # core.MARGIN, in the findings' words
 
@@ -248,5 +247,3 @@ def _percent(fraction):
         return "<0.01%"
     return f"{100 * fraction:.2g}%" if fraction < 0.1 else f"{100 * fraction:.0f}%"
 
-
-__all__ = ["Diagnosis", "LayerStats", "Policy"]
