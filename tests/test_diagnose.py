@@ -68,8 +68,12 @@ def test_overflow_before_normalization_is_the_first_nonfinite_and_a_float32_laye
     reference = np.asarray(model(x[:32], training=False), np.float64)
     assert not np.isfinite(half_run()).all()
     np.testing.assert_allclose(half_run(float32_layers=d.float32_layers), reference, rtol=2e-2, atol=2e-2)
-    # With bfloat16 tensor cores the overflow points to bfloat16 instead.
-    assert kmix.diagnose(model, x, y, batches=1, bfloat16_available=True).recommended_policy.name == "mixed_bfloat16"
+    # With bfloat16 tensor cores the overflow points to bfloat16 instead (the data from a tf.data.Dataset).
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+    assert kmix.diagnose(model, dataset, batches=1, bfloat16_available=True).recommended_policy.name == "mixed_bfloat16"
+    # And bfloat16, with float32's range, has nothing to fix here and needs no loss scale.
+    bf16 = kmix.diagnose(model, dataset, policy="mixed_bfloat16", batches=1)
+    assert bf16.first_nonfinite_layer is None and bf16.float32_layers == [] and bf16.recommended_scale == 1.0
 
 
 def test_demo_mask_flags_the_attention_layers_and_suggests_masked_softmax(tmp_path, capsys):
@@ -183,6 +187,27 @@ def test_keras_hub_gpt2_finds_nothing_alarming():
     row = next(r for r in d.layers if r.path == "gpt2_backbone")
     expected = np.abs(np.asarray(backbone(x, training=True))).max()
     np.testing.assert_allclose(row.output.max_abs, expected, rtol=1e-5)
+
+
+class _AddOne(keras.layers.Layer):
+    """Adds a float32 constant, whatever the input's dtype: what breaks under float16."""
+
+    def call(self, x):
+        return x + tf.constant(1.0)
+
+
+def test_a_layer_that_raises_in_float16_is_named():
+    inputs = keras.Input((3,))
+    h = keras.layers.Dense(4, name="d")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(_AddOne(name="add_one")(h)))
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.ones((8, 3), "float32")
+    with kmix.policy_scope("mixed_float16"), pytest.raises(Exception):  # the reference: it does raise
+        _AddOne()(keras.ops.ones((2, 3), "float16"))
+    d = kmix.diagnose(model, x, np.ones((8, 1), "float32"), batches=1)
+    assert d.half_error[0] == "add_one" and d.float32_layers == ["add_one"]
+    assert any(line.startswith("add_one (_AddOne) raises under mixed_float16") for line in d.findings)
+    assert all("call" not in vars(layer) for layer in model.layers)  # probes removed after the error
 
 
 @pytest.mark.parametrize("change, error, words", [

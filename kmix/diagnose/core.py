@@ -185,23 +185,37 @@ def _all_finite(tensors):
 
 
 class _HalfRun:
-    """The calls of the half-precision run: which layers turn non-finite, from what inputs."""
+    """The calls of the half-precision run: which layers turn non-finite, from what inputs.
+
+    A layer that raises in half precision (one that mixes a float32 constant
+    into float16 math) ends the run: `error` is `(node, exception)`, the node
+    being the innermost layer whose call was under way.
+    """
 
     def __init__(self):
         self.calls = []  # per batch: [(node, inputs_finite, outputs_finite)] in completion order
         self.first_args = {}  # node -> (args, kwargs) of its first non-finite call
+        self.error = None
 
     def batch(self, model, nodes, x):
-        calls = []
+        if self.error is not None:
+            return
+        calls, running = [], []
 
         def hook(node, args, kwargs, outputs):
+            running.pop()
             out_ok = _all_finite(probe.floating(outputs))
             calls.append((node, _all_finite(probe.floating((args, kwargs))), out_ok))
             if not out_ok and node not in self.first_args:
                 self.first_args[node] = (args, kwargs)
 
-        with probe.patched_calls(nodes, hook):
-            model(x, training=True)
+        try:
+            with probe.patched_calls(nodes, hook, start=running.append):
+                model(x, training=True)
+        except Exception as e:  # noqa: BLE001  any failure in half precision is a finding
+            if not running:
+                raise
+            self.error = (running[-1], e)
         self.calls.append(calls)
 
 
@@ -219,11 +233,14 @@ def _decide(model, policy, run, flaky, masks, bfloat16_available, n_batches):
     origins, downstream = list(dict.fromkeys(origins)), list(dict.fromkeys(downstream))
     first = origins[0] if origins else downstream[0] if downstream else None
     reasons = {}  # node -> why it belongs in float32
+    error = flaky.error[0] if flaky.error else None
     for node in nodes:
         row = run.stats[node]
         if node.kept:
             continue
-        if node in masks:
+        if node is error:
+            reasons[node] = "error"
+        elif node in masks:
             reasons[node] = "mask"
         elif row.output.overflow:
             reasons[node] = "output"
@@ -261,6 +278,7 @@ def _decide(model, policy, run, flaky, masks, bfloat16_available, n_batches):
         first_nonfinite_layer=None if first is None else first.path,
         float32_layers=float32_layers,
         reasons={n.path: (r, masks.get(n)) for n, r in reasons.items()},
+        half_error=None if error is None else (error.path, flaky.error[1]),
         recommended_scale=scale,
         recommended_policy=recommended,
         losses=run.losses,
@@ -276,7 +294,9 @@ def _verdict(node, row, first, reasons, origins):
     if node is first:
         words.append("FIRST NON-FINITE")
     reason = reasons.get(node)
-    if reason == "mask":
+    if reason == "error":
+        words.append("raises in half precision")
+    elif reason == "mask":
         words.append("-inf constant (mask)")
     elif reason == "inside":
         words.append("overflows inside")

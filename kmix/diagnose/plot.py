@@ -8,7 +8,7 @@ from kmix.diagnose import probe
 
 _PER_BAR = 4  # bins of the histogram's 16 per octave grouped into one bar
 _REASONS = {"mask": "-inf mask inside", "output": "output overflows", "inside": "overflows inside",
-            "input": "input overflows"}
+            "input": "input overflows", "error": "raises in half"}
 
 
 def plot_diagnosis(diagnosis, path):

@@ -59,6 +59,8 @@ class Diagnosis:
             cores; O1 (with `float32_layers`) when some layer must stay in
             float32; otherwise `policy`.
         findings: one line per finding, each naming the layer and the fix.
+        half_error: `(layer path, exception)` when the model raised under
+            `policy` (a layer mixing float32 into half-precision math), else None.
         layers: a `LayerStats` row per layer that ran, in call order.
         weight_gradients: `{variable path: TensorStats}` of the weight gradients.
         histogram: the `Log2Histogram` of every nonzero gradient value
@@ -75,13 +77,14 @@ class Diagnosis:
 
     def __init__(self, model_name, policy, layers, weight_gradients, histogram, first_nonfinite_layer,
                  float32_layers, reasons, recommended_scale, recommended_policy, losses, batches,
-                 bfloat16_available):
+                 bfloat16_available, half_error=None):
         self.model_name, self.policy, self.layers = model_name, policy, layers
         self.weight_gradients, self.histogram = weight_gradients, histogram
         self.first_nonfinite_layer, self.float32_layers = first_nonfinite_layer, float32_layers
         self.recommended_scale, self.recommended_policy = recommended_scale, recommended_policy
         self.losses, self.batches = losses, batches
         self._reasons, self._bfloat16 = reasons, bfloat16_available
+        self.half_error = half_error
         self._limits = probe.HALF_RANGES[policy.compute_dtype]
         self.findings = self._findings()
 
@@ -136,7 +139,15 @@ class Diagnosis:
                 constant = f"a constant of {mask[0][0]:g}, beyond {half}'s +-{limit:g},"
             else:
                 constant = f"a constant that is -inf in {half} (a number beyond +-{limit:g}, such as -1e9)"
-            if reason == "mask" and mask[1]:
+            if reason == "error":
+                e = self.half_error[1]
+                message = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+                lines.append(
+                    f"{name} raises under {self.policy.name} ({type(e).__name__}: {message}): it mixes "
+                    f"dtypes, such as a float32 constant or tensor in {half} math. Fix: create them with "
+                    f"x.dtype (keras.ops.cast(c, x.dtype)), or keep {row.target} in float32. The half "
+                    "run stopped there.")
+            elif reason == "mask" and mask[1]:
                 lines.append(
                     f"{name}: {constant} feeds a softmax: a hand-written additive mask; (1 - mask) * -inf "
                     "is NaN at every kept position. Fix: pass the boolean mask to kmix.layers.MaskedSoftmax "
