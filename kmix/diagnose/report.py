@@ -1,6 +1,7 @@
 """`kmix.Diagnosis`: what `kmix.diagnose` found, as a table, one line per finding, and a PNG."""
 
 import math
+import re
 
 from kmix import _checks as checks
 from kmix.diagnose import probe
@@ -141,7 +142,7 @@ class Diagnosis:
                 constant = f"a constant that is -inf in {half} (a number beyond +-{limit:g}, such as -1e9)"
             if reason == "error":
                 e = self.half_error[1]
-                message = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+                message = _first_line(e)
                 lines.append(
                     f"{name} raises under {self.policy.name} ({type(e).__name__}: {message}): it mixes "
                     f"dtypes, such as a float32 constant or tensor in {half} math. Fix: create them with "
@@ -178,14 +179,14 @@ class Diagnosis:
         if self.recommended_scale is None:
             return "Gradients: none was nonzero, so no loss scale can be recommended."
         gmax = max([r.gradient.max_abs for r in self.layers] + [w.max_abs for w in self.weight_gradients.values()])
-        at_one = _percent(self.underflow_fraction(1.0))
+        at_one = _share(self.underflow_fraction(1.0))
         if self.policy.compute_dtype == "bfloat16":
-            return (f"Gradients: {at_one} of nonzero values flush to zero in bfloat16, whose range is "
+            return (f"Gradients: {at_one} of the nonzero values flush to zero in bfloat16, whose range is "
                     "float32's: no loss scaling needed (scale 1); kmix.wrap still skips non-finite steps.")
         scale = self.recommended_scale
-        return (f"Gradients: {at_one} of nonzero values flush to zero in float16 at scale 1 (largest "
+        return (f"Gradients: {at_one} of the nonzero values flush to zero in float16 at scale 1 (largest "
                 f"|g| {gmax:.3g}). Initial scale 2^{int(math.log2(scale))} = {scale:g} leaves "
-                f"{_percent(self.underflow_fraction(scale))} flushing and keeps the largest "
+                f"{_share(self.underflow_fraction(scale))} flushing and keeps the largest "
                 f"{MARGIN_WORDS} below 65504. Fix: kmix.wrap(optimizer, initial_scale={scale:g}"
                 f"{', min_scale=%g' % scale if scale < 1 else ''}).")
 
@@ -249,6 +250,19 @@ class Diagnosis:
         from kmix.diagnose.plot import plot_diagnosis
 
         return plot_diagnosis(self, path)
+
+
+def _first_line(error):
+    """The informative line of an exception's message (Keras puts its own line and ANSI codes first)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    useful = [line for line in lines if not line.startswith("Exception encountered when calling")]
+    return (useful or lines or [type(error).__name__])[0][:200]
+
+
+def _share(fraction):
+    """A fraction in words: "none", "<0.01%", "3.1%"."""
+    return "none" if fraction == 0 else _percent(fraction)
 
 
 def _percent(fraction):
