@@ -189,6 +189,45 @@ def test_keras_hub_gpt2_finds_nothing_alarming():
     np.testing.assert_allclose(row.output.max_abs, expected, rtol=1e-5)
 
 
+class _Block(keras.layers.Layer):
+    """A custom block: a Dense whose outputs exceed 65504, scaled, then normalized."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(8, kernel_initializer=keras.initializers.RandomNormal(stddev=1e4, seed=2),
+                                        name="dense")
+        self.norm = keras.layers.LayerNormalization(name="norm")
+
+    def build(self, input_shape):
+        self.dense.build(input_shape)
+        self.norm.build(tuple(input_shape[:-1]) + (8,))
+
+    def call(self, x):
+        return self.norm(self.dense(x) * 10.0)
+
+
+def test_nested_layers_are_named_as_autocast_takes_them():
+    keras.utils.set_random_seed(0)
+    i = keras.Input((4,))
+    big = keras.layers.Dense(8, kernel_initializer=keras.initializers.RandomNormal(stddev=4e4, seed=1), name="big")
+    inner = keras.Model(i, big(i), name="inner")
+    x_in = keras.Input((4,))
+    h = _Block(name="block")(keras.layers.LayerNormalization(name="ln")(inner(x_in)))
+    model = keras.Model(x_in, keras.layers.Dense(1, name="head")(h))
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    d = kmix.diagnose(model, x, np.zeros((32, 1), "float32"), batches=1)
+    paths = [r.path for r in d.layers]
+    assert paths == ["inner", "inner/big", "ln", "block", "block/dense", "block/norm", "head"]
+    assert d.first_nonfinite_layer == "inner/big"
+    # big is named inside its nested model; the block's sub-layers are reached through the block.
+    assert d.float32_layers == ["big", "ln", "block"]
+    reference = np.asarray(model(x), np.float64)
+    assert not np.isfinite(np.asarray(kmix.autocast(model, "O1")(x))).all()
+    fixed = np.asarray(kmix.autocast(model, "O1", float32_layers=d.float32_layers)(x), np.float64)
+    np.testing.assert_allclose(fixed, reference, rtol=2e-2, atol=2e-2)
+
+
 class _AddOne(keras.layers.Layer):
     """Adds a float32 constant, whatever the input's dtype: what breaks under float16."""
 

@@ -157,6 +157,7 @@ class _Float32Run:
             row.calls += 1
             for t in ins:
                 row.input_max = max(row.input_max, _max_abs(t))
+            nonfinite_before = row.output.nonfinite
             for t in outs:
                 row.output.add(t, self.half, values=False)
                 g = grad_of.get(id(t))
@@ -165,7 +166,7 @@ class _Float32Run:
                     if id(t) not in counted:  # a block's output is often its last sub-layer's
                         counted.add(id(t))
                         self.histogram.add(values)
-            if row.output.nonfinite:
+            if row.output.nonfinite > nonfinite_before:
                 bad.add(id(node))
         self.nonfinite.append(bad)
         for variable, g in zip(variables, grads[len(outputs):]):
@@ -248,6 +249,11 @@ def _decide(model, policy, run, flaky, masks, bfloat16_available, n_batches):
             reasons[node] = "inside"
         elif row.input_max > limits.max:
             reasons[node] = "input"
+    # A block (or nested model) whose output overflows, or that overflows inside, because a
+    # flagged sub-layer does, needs no island of its own: the sub-layer's is enough.
+    for node in [n for n, r in reasons.items() if r in ("inside", "output")]:
+        if any(other is not node and node in set(other.ancestors()) for other in reasons):
+            del reasons[node]
     for node, row in run.stats.items():
         row.half_nonfinite = node in origins or node in downstream
         row.verdict = _verdict(node, row, first, reasons, origins)
