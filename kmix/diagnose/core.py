@@ -18,8 +18,9 @@ def diagnose(model, x, y=None, policy="mixed_float16", batches=4, batch_size=32,
     In float32, for every layer (nested layers included: the layers inside
     custom layers, nested models and keras-hub backbones), it records the
     largest |output| and the fractions of output values that overflow the
-    half dtype (inf once cast: beyond 65504 in float16) or flush to zero
-    (nonzero, 0 once cast: below 2^-25 in float16); the same for the
+    half dtype (inf once cast: from 65520 up in float16, past its maximum
+    65504) or flush to zero (nonzero, 0 once cast: at or below 2^-25, half
+    float16's smallest subnormal 2^-24); the same for the
     activation gradients (the loss's gradient with respect to each layer's
     output) and for every weight gradient. It then runs the same batches
     with every layer computing in the policy's half dtype (the same weights,
@@ -100,7 +101,7 @@ def _forward(model, x, training):
         return model(x, training=training)
     except (ValueError, TypeError, KeyError, tf.errors.InvalidArgumentError) as e:
         raise ValueError(
-            f"`x` does not fit model {model.name!r}'s inputs: calling the model on the first batch "
+            f"`x` does not fit model {model.name!r}'s inputs: calling the model on a batch of `x` "
             f"failed with {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
         ) from e
 
@@ -138,7 +139,8 @@ class _Float32Run:
                 loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
             except (ValueError, TypeError, KeyError, tf.errors.InvalidArgumentError) as e:
                 raise ValueError(
-                    f"`y` does not fit model {model.name!r}'s outputs and loss: computing the loss "
+                    f"`y` does not fit model {model.name!r}'s outputs and loss (received "
+                    f"{'y=None' if y is None else 'y'}): computing the loss "
                     f"failed with {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
                 ) from e
         self.losses.append(float(loss))
