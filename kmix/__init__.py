@@ -8,6 +8,7 @@
 __version__ = "0.1.0"
 
 from kmix import callbacks, layers, ops, schedules  # noqa: E402
+from kmix.diagnose import Diagnosis, diagnose  # noqa: E402
 from kmix.optimizers import LossScaleOptimizer, wrap  # noqa: E402
 from kmix.policy import (  # noqa: E402
     Policy,
@@ -20,12 +21,14 @@ from kmix.policy import (  # noqa: E402
 )
 
 __all__ = [
+    "Diagnosis",
     "LossScaleOptimizer",
     "Policy",
     "__version__",
     "active_policy",
     "autocast",
     "callbacks",
+    "diagnose",
     "layers",
     "memory_report",
     "ops",

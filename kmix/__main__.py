@@ -1,4 +1,4 @@
-"""`python -m kmix demo | bench | doctor`: kmix's command line."""
+"""`python -m kmix demo | bench | doctor | diagnose`: kmix's command line."""
 
 import argparse
 import importlib
@@ -30,6 +30,8 @@ def main(argv=None):
     )
     bench.add_argument("name", nargs="?", choices=sorted(BENCHES))
     sub.add_parser("doctor", help="versions, devices and the recommended policy", add_help=False)
+    sub.add_parser("diagnose", help="why a float32 model would fail in float16 (--demo: the demo's model)",
+                   add_help=False)
     known, rest = parser.parse_known_args(argv)
     if known.command == "bench":
         if known.name is None:
@@ -38,6 +40,8 @@ def main(argv=None):
         module = BENCHES[known.name]
     elif known.command == "demo":
         module = "kmix.demo"
+    elif known.command == "diagnose":
+        module = "kmix.diagnose.cli"
     else:
         module = "kmix.doctor"
     try:

@@ -19,6 +19,18 @@ def strategy_supports_no_merge_call():
     return tf.__internal__.distribute.strategy_supports_no_merge_call()
 
 
+def sublayers(layer):
+    """The layers `layer` holds directly (attributes, lists, dicts), in tracking order.
+
+    Keras tracks the sub-layers of every layer, but only a `keras.Model`
+    exposes them publicly (`model.layers`), and only its own; a custom layer's
+    sub-layers (the `Dense`s inside an attention block, a keras-hub decoder's
+    attention) have no public accessor. Keras walks them with this private
+    method itself (for `weights`, `summary` and saving).
+    """
+    return layer._flatten_layers(include_self=False, recursive=False)
+
+
 def no_automatic_dependency_tracking(fn):
     """Keras's decorator that stops attribute assignment from tracking variables.
 

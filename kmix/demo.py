@@ -360,5 +360,6 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     path = plot_results(results, args.policy, os.path.join(args.out, "demo.png"))
     print(f"\nLoss curves and loss scale saved to {os.path.abspath(path)}")
+    print("Find such failures before training: python -m kmix diagnose --demo (kmix.diagnose(model, x, y)).")
     results["plot"] = path
     return results

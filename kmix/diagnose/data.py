@@ -1,0 +1,105 @@
+"""The checks on `diagnose`'s arguments, and its batches."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from kmix import _checks as checks
+from kmix.policy import Policy
+
+_ARRAYS = "NumPy arrays or tensors (or a list, tuple or dict of them), or a tf.data.Dataset"
+
+
+def check_model(model):
+    """`model` if it is a compiled `keras.Model`; a clear error otherwise."""
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"`model` must be a compiled keras.Model. Received: model={model!r} "
+            f"(of type {type(model).__name__})."
+        )
+    if not getattr(model, "compiled", False):
+        raise ValueError(
+            f"`model` must be compiled: diagnose differentiates the loss given to `compile`. "
+            f"Received: model={model.name!r}, which is not compiled. Call "
+            "`model.compile(optimizer=..., loss=...)` first."
+        )
+    return model
+
+
+def check_policy(policy):
+    """`policy` as a `kmix.Policy` with half-precision compute; a clear error otherwise."""
+    parsed = Policy(policy)
+    if parsed.compute_dtype == "float32":
+        raise ValueError(
+            "`policy` must compute in float16 or bfloat16: diagnose compares the model in float32 "
+            f"with it. Received: policy={policy!r} (compute dtype float32). Accepted: "
+            "'mixed_float16', 'mixed_bfloat16', 'float16', 'bfloat16', 'O1'-'O3', or a jmp-style "
+            "string with compute=float16 or bfloat16."
+        )
+    return parsed
+
+
+def check_float32(nodes):
+    """Raises when a layer of the model already computes in a half dtype."""
+    half = [n.path for n in nodes if n.layer.compute_dtype in ("float16", "bfloat16")]
+    if half:
+        raise ValueError(
+            "`model` must compute in float32: diagnose compares it with its half-precision run. "
+            f"Received a model whose layers {half[:5]} compute in "
+            f"{nodes[0].layer.compute_dtype if len(nodes) == 1 else 'a half dtype'}. Build it "
+            "under float32 (inside `kmix.policy_scope('float32')`)."
+        )
+
+
+def batches(x, y, count, batch_size):
+    """Up to `count` batches `(x, y, sample_weight)` from arrays or a `tf.data.Dataset`."""
+    count = checks.integer("batches", count)
+    if isinstance(x, tf.data.Dataset):
+        if y is not None:
+            raise ValueError(
+                "`y` must be None when `x` is a tf.data.Dataset: the dataset yields the targets. "
+                f"Received: y of type {type(y).__name__}."
+            )
+        found = [keras.utils.unpack_x_y_sample_weight(element) for element in x.take(count)]
+        if not found:
+            raise ValueError("`x` is an empty tf.data.Dataset; diagnose needs at least one batch.")
+        return found
+    batch_size = checks.integer("batch_size", batch_size)
+    n = _length("x", x)
+    if y is not None and _length("y", y) != n:
+        raise ValueError(
+            f"`x` and `y` must hold the same number of samples. Received: x with {n} and y "
+            f"with {_length('y', y)}."
+        )
+    found = []
+    for start in range(0, n, batch_size)[:count]:
+        cut = lambda a: a[start : start + batch_size]  # noqa: E731
+        found.append((keras.tree.map_structure(cut, x), None if y is None else keras.tree.map_structure(cut, y), None))
+    return found
+
+
+def _length(name, data):
+    if data is None:
+        raise TypeError(f"`{name}` must be {_ARRAYS}. Received: {name}=None.")
+    try:
+        leaves = keras.tree.flatten(data)
+    except TypeError:
+        leaves = [data]
+    lengths = set()
+    for leaf in leaves:
+        if not isinstance(leaf, (np.ndarray, tf.Tensor)) and not hasattr(leaf, "__array__"):
+            raise TypeError(
+                f"`{name}` must be {_ARRAYS}. Received: {name} holding a {type(leaf).__name__}."
+            )
+        if not getattr(leaf, "shape", ()):
+            raise ValueError(f"`{name}` must have a batch dimension. Received: a scalar in {name}.")
+        lengths.add(int(leaf.shape[0]))
+    if len(lengths) != 1:
+        raise ValueError(
+            f"Every array in `{name}` must hold the same number of samples. Received lengths "
+            f"{sorted(lengths)}." if lengths else f"`{name}` holds no arrays."
+        )
+    (n,) = lengths
+    if n == 0:
+        raise ValueError(f"`{name}` holds no samples.")
+    return n
