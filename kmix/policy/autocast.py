@@ -13,6 +13,7 @@ weights are copied over.
 
 import collections
 import contextlib
+import warnings
 
 import keras
 
@@ -105,6 +106,14 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
     dtype_map = rules.dtype_map(model, plan)
     new_model = _rebuild(model, dtype_map, swap=rules.half_compute and not rules.pure)
     table = _place_and_copy(model, plan, new_model, rules.plan(new_model))
+    unplaced = [row.layer for row in table if "not placed" in row.reason]
+    if unplaced:
+        warnings.warn(
+            f"kmix.autocast could not place {unplaced}: they create their variables with a dtype "
+            "of their own (not from their config or the global policy). They keep it; see the "
+            "`why` column of the table (`return_table=True`).",
+            stacklevel=2,
+        )
     if verbose:
         print(table)
     return (new_model, table) if return_table else new_model

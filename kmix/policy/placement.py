@@ -65,9 +65,8 @@ def walk(root):
     """`(path, layer, parent)` for every layer inside `root`, depth first, each layer once.
 
     `path` joins the names from `root` down (`"encoder/attention/query"`).
-    Layers are found through the attributes of their parents, so layers that
-    a custom layer or a keras-hub block creates in `build` are found too.
-    Input layers are left out.
+    Layers that a custom layer or a keras-hub block creates in `build` are
+    found too. Input layers are left out.
     """
     seen = {id(root)}
 
@@ -85,22 +84,10 @@ def walk(root):
 
 
 def _children(layer):
-    """The layers directly inside `layer`: a graph model's layers, else those its attributes hold."""
+    """The layers directly inside `layer`: a graph model's layers, else those it tracks."""
     if _is_graph_model(layer):
         return list(layer.layers)  # not the hidden functional model a Sequential keeps
-    found, stack, seen = [], list(reversed(list(vars(layer).values()))), set()
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, keras.layers.Layer):
-            found.append(obj)
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(reversed(obj))
-        elif isinstance(obj, dict):
-            stack.extend(reversed(list(obj.values())))
-    return found
+    return _compat.sublayers(layer)
 
 
 def resolved_policy(layer):

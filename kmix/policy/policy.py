@@ -17,6 +17,14 @@ spellings:
 
 `half` (float16 by default) is the half dtype of the opt levels. Keras names
 keep Keras's meaning: a Keras layer returns its compute dtype.
+
+Where the dtypes apply: `kmix.autocast(model, policy)` gives a model exactly
+this placement (with the opt levels' float32 normalization and softmax, and
+outputs in `output`). `kmix.set_policy` / `policy_scope` can only set one
+Keras policy, `to_keras()`, for every layer built inside them: a model built
+there computes and returns the compute dtype everywhere (under O2 its batch
+norm is half too); `kmix.wrap` follows the policy's loss scaling and master
+weights either way.
 """
 
 import keras
@@ -155,7 +163,11 @@ class Policy:
 
     @property
     def output_dtype(self):
-        """The dtype of outputs (of the model, or of a `kmix.layers.WithPolicy`)."""
+        """The dtype of the outputs of a model placed by `kmix.autocast`, or of a `WithPolicy`.
+
+        A model merely built under `kmix.set_policy(policy)` returns the
+        compute dtype instead (every layer takes `to_keras()`).
+        """
         return self._dtypes[2]
 
     @property

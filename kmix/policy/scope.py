@@ -1,19 +1,30 @@
 """`set_policy`, `policy_scope` and `active_policy`: kmix's global policy."""
 
 import contextlib
+import warnings
 
 import keras
 
 from kmix.policy import _state
 from kmix.policy.policy import Policy
 
+_WARNED = set()  # the opt levels `set_policy` has warned about in this process
+
 
 def set_policy(spec, half=None):
     """Sets Keras's global dtype policy and the policy `kmix.wrap` will follow.
 
-    Layers created afterwards take `policy.to_keras()`; `kmix.wrap(opt)`
-    (with `master_weights="auto"`) keeps float32 master weights when the
-    policy asks for them (O2).
+    Layers created afterwards take `policy.to_keras()` (one Keras policy for
+    every layer); `kmix.wrap(opt)` (with `master_weights="auto"`) keeps
+    float32 master weights when the policy asks for them (O2).
+
+    A global policy cannot tell a normalization layer or a model's output
+    layer from a `Dense`: under `"O1"` or `"O2"` every layer built afterwards
+    computes in the half dtype (under O2 with half variables, batch norm
+    included). The levels' float32 islands come from
+    `kmix.autocast(model, level)`, so setting O1 or O2 here warns once and
+    points to it. Build the model in float32, `autocast` it, and compile in a
+    `kmix.policy_scope(level)`.
 
     Args:
         spec: anything `kmix.Policy` accepts: `"O0"`-`"O3"`, a Keras policy
@@ -29,7 +40,21 @@ def set_policy(spec, half=None):
     >>> keras.config.dtype_policy()
     <DTypePolicy "mixed_float16">
     """
-    policy = Policy(spec, half=half)
+    policy = _set(Policy(spec, half=half))
+    if policy.opt_level in ("O1", "O2") and policy.opt_level not in _WARNED:
+        _WARNED.add(policy.opt_level)
+        warnings.warn(
+            f"kmix.set_policy({policy.opt_level!r}) gives every layer built from now on Keras's "
+            f"policy {policy.to_keras().name!r}: normalization layers, softmax and the model's "
+            f"outputs included, not {policy.opt_level}'s float32 placement. For that, build the "
+            f"model in float32 and call `kmix.autocast(model, {policy.opt_level!r})`; compile it "
+            f"inside `kmix.policy_scope({policy.opt_level!r})` so that `kmix.wrap` follows the level.",
+            stacklevel=2,
+        )
+    return policy
+
+
+def _set(policy):
     keras_policy = policy.to_keras()
     keras.config.set_dtype_policy(keras_policy)
     _state.set(policy, keras_policy.name)
@@ -59,7 +84,7 @@ def policy_scope(spec, half=None):
     previous_keras = keras.config.dtype_policy()
     previous = _state.save()
     try:
-        yield set_policy(spec, half=half)
+        yield _set(Policy(spec, half=half))
     finally:
         keras.config.set_dtype_policy(previous_keras)
         _state.restore(previous)

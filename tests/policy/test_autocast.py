@@ -231,3 +231,42 @@ def test_result_saves_and_trains():
     history = new.fit(x, [y, y], epochs=3, verbose=0)
     assert np.isfinite(history.history["loss"]).all() and history.history["loss"][-1] < np.ravel(loss)[0]
     assert_model_round_trip(new, x)
+
+
+def test_ops_nodes_keep_their_place_and_see_the_policys_dtypes():
+    inputs = keras.Input((6, 8), name="x")
+    h = keras.layers.Dense(16, name="proj")(inputs)
+    pooled = keras.ops.mean(h, axis=1)  # an ops node between two layers
+    normed = keras.layers.LayerNormalization(name="norm")(pooled)
+    mixed = normed * 2.0 + pooled  # arithmetic between a float32 and a half tensor
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(mixed[:, :8]))
+    new = autocast(model, "O1")
+    kinds = [type(op).__name__ for op in model.operations]
+    assert [type(op).__name__ for op in new.operations] == kinds
+    assert {"Mean", "Multiply", "Add", "GetItem"} <= set(kinds)
+    mean = next(op for op in new.operations if type(op).__name__ == "Mean")
+    add = next(op for op in new.operations if type(op).__name__ == "Add")
+    assert mean.input.dtype == mean.output.dtype == "float16"  # fed by the half Dense
+    assert new.get_layer("norm").output.dtype == "float32"
+    assert add.output.dtype == "float32"  # Keras ops promote float16 + float32
+    x = sample()
+    np.testing.assert_allclose(new.predict(x, verbose=0), model.predict(x, verbose=0), atol=2e-2)
+
+
+def test_layers_that_cannot_be_placed_are_reported(recwarn):
+    class FixedBlock(keras.layers.Layer):
+        """A block that builds its normalization with a fixed float16 dtype."""
+
+        def build(self, input_shape):
+            self.norm = keras.layers.LayerNormalization(dtype="float16", name="norm")
+            self.norm.build(input_shape)
+
+        def call(self, x):
+            return self.norm(x)
+
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(2, name="out")(FixedBlock(name="block")(inputs)))
+    _, table = autocast(model, "O2", return_table=True)
+    row = {r.layer: r for r in table}["block/norm"]
+    assert "not placed" in row.reason and row.after == "float16"
+    assert any("block/norm" in str(w.message) for w in recwarn)

@@ -1,6 +1,7 @@
 """set_policy / policy_scope / active_policy: what they set and what they restore."""
 
 import threading
+import warnings
 
 import keras
 import pytest
@@ -82,3 +83,29 @@ def test_state_is_per_thread_like_keras():
 
 def test_exported_from_kmix():
     assert kmix.policy.set_policy is set_policy
+
+
+def test_global_o1_o2_warn_once_and_say_what_a_model_built_there_does(monkeypatch):
+    from kmix.policy import scope
+
+    monkeypatch.setattr(scope, "_WARNED", set())
+    with pytest.warns(UserWarning, match=r"set_policy\('O2'\).*'float16'.*kmix.autocast\(model, 'O2'\)"):
+        set_policy("O2")
+    inputs = keras.Input((4,))
+    h = keras.layers.BatchNormalization(name="bn")(keras.layers.Dense(4)(inputs))
+    built_under_o2 = keras.Model(inputs, keras.layers.Dense(2)(h))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        set_policy("O2")  # once only
+        set_policy("O3")  # pure half: what Keras's policy gives is the whole of O3
+        with policy_scope("O1"):  # scoped: the route for compiling an autocast model
+            pass
+    # What the warning says: every layer half, batch norm and outputs included ...
+    assert {v.dtype for v in built_under_o2.get_layer("bn").weights} == {"float16"}
+    assert built_under_o2.output.dtype == "float16"
+    # ... while autocast gives the level's placement, outputs in Policy.output_dtype.
+    set_policy("float32")
+    fresh = keras.Model.from_config(built_under_o2.get_config())
+    placed = kmix.autocast(fresh, "O2")
+    assert {v.dtype for v in placed.get_layer("bn").weights} == {"float32"}
+    assert placed.output.dtype == Policy("O2").output_dtype == "float32"
