@@ -1,8 +1,9 @@
 """kmix: safe and fast mixed-precision training for Keras 3 (TensorFlow backend).
 
     import keras, kmix
-    kmix.set_policy("O1")
-    model.compile(optimizer=kmix.wrap(keras.optimizers.AdamW(3e-4)), loss=...)
+    model = kmix.autocast(model, "O1")
+    with kmix.policy_scope("O1"):
+        model.compile(optimizer=kmix.wrap(keras.optimizers.AdamW(3e-4)), loss=...)
 """
 
 __version__ = "0.1.0"
