@@ -117,7 +117,8 @@ class Rules:
     def plan(self, model):
         """`[(path, layer, keras_policy_name_or_None, reason)]` for every layer of `model`.
 
-        `None` means "keep the layer's own policy" (inside a `WithPolicy`).
+        `None` means "keep the layer's own policy" (inside a `WithPolicy`, or a
+        weightless layer a block created).
         """
         from kmix.layers import WithPolicy
 
@@ -164,15 +165,16 @@ class Rules:
         if self.pure:
             return half, "pure half policy"
         if in_block and not layer.weights:
-            # A block re-creates its weightless sublayers from its own dtype when it is loaded:
-            # a placement of theirs would not survive `model.save`.
-            return half, "in a block"
+            # A block creates its weightless sublayers itself when it is built or loaded (keras-hub's
+            # Llama attention makes its softmax float32): a placement of ours would not survive
+            # `model.save`, so they stay as the block made them.
+            return None, "in a block: as the block made it"
         if output and self.policy.output_dtype == "float32":
             if any(True for _ in walk(layer)):
                 # Inside, a block adds and multiplies raw tensors, which must share one dtype.
                 return half, "model output, but a block: keeps its dtype"
             return "float32", "model output"
-        if isinstance(layer, _NORMALIZATION):
+        if _is_normalization(layer):
             if in_block:
                 # Keras's norms compute their statistics in float32 whatever the policy; inside a
                 # block their output must keep the block's dtype (its residual adds are raw `+`).
@@ -287,6 +289,11 @@ def _output_layers(model):
 def _is_graph_model(model):
     """A Sequential or functional model (a keras-hub backbone included): its graph is known."""
     return isinstance(model, keras.Sequential) or _compat.is_functional(model)
+
+
+def _is_normalization(layer):
+    """Keras's normalization layers, and other libraries' by name (keras-hub's `LlamaLayerNorm`)."""
+    return isinstance(layer, _NORMALIZATION) or "Norm" in type(layer).__name__
 
 
 def _is_kmix(layer):

@@ -171,3 +171,44 @@ def test_autocast_real_model_trains_with_xla(name, level):
     assert float(optimizer.loss_scale) == expected_scale
     if level == "O2":  # the half parameters follow their float32 master copies
         assert optimizer.master_weights and any(v.dtype == "float16" for v in new.trainable_weights)
+
+
+def _tokens(rng):
+    return {"token_ids": rng.integers(1, VOCAB, (2, SEQ)).astype("int32"),
+            "padding_mask": np.ones((2, SEQ), "int32")}
+
+
+BACKBONES = {
+    "DistilBertBackbone": (dict(vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
+                                intermediate_dim=32, max_sequence_length=SEQ), _tokens),
+    "GemmaBackbone": (dict(vocabulary_size=VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+                           hidden_dim=16, intermediate_dim=32, head_dim=8), _tokens),
+    "LlamaBackbone": (dict(vocabulary_size=VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+                           hidden_dim=16, intermediate_dim=32), _tokens),
+    "ViTBackbone": (dict(image_shape=(16, 16, 3), patch_size=4, num_layers=2, num_heads=2, hidden_dim=16,
+                         mlp_dim=32), lambda rng: rng.normal(size=(2, 16, 16, 3)).astype("float32")),
+}
+
+
+@pytest.mark.parametrize("cls_name", sorted(BACKBONES))
+def test_keras_hub_backbones_in_general(cls_name):
+    """Other keras-hub families (their own norms, rotary embeddings, float32 softmax) under O2."""
+    kwargs, make_x = BACKBONES[cls_name]
+    model = getattr(keras_hub.models, cls_name)(**kwargs)
+    x = make_x(np.random.default_rng(0))
+    new, table = kmix.autocast(model, "O2", return_table=True)
+    assert type(new) is type(model)
+    # Normalization parameters (keras-hub's LlamaLayerNorm, RMS norms, ...) float32, matmuls half.
+    norms = [row.layer for row in table if "normalization" in row.reason]
+    assert norms and all(v.dtype == "float32" for v in new.weights if "norm" in v.path)
+    assert any(v.dtype == "float16" for v in new.weights if v.path.endswith("kernel"))
+    expected = keras.tree.flatten(model(x))
+    got = keras.tree.flatten(new(x))
+    for e, g in zip(expected, got):
+        e, g = _numpy(e), _numpy(g)
+        np.testing.assert_allclose(g, e, atol=TOLERANCE["float16"] * np.abs(e).max(), rtol=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        new.save(os.path.join(tmp, "model.keras"))
+        loaded = keras.models.load_model(os.path.join(tmp, "model.keras"))
+    for a, b in zip(keras.tree.flatten(loaded(x)), got):
+        np.testing.assert_array_equal(_numpy(a), _numpy(b))
