@@ -25,10 +25,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
     step returns, before any callback runs, and restores it at the end.
 
     With `log_every=k` only every k-th batch log has them, and the last one of
-    each epoch when the epoch's length is known, so that the epoch logs have
-    them. On an epoch of unknown length (a dataset of unknown cardinality)
-    with `log_every > 1`, only the callbacks after the monitor get them in the
-    epoch logs.
+    each epoch, so that the epoch logs have them. On an epoch of unknown
+    length (a dataset of unknown cardinality) the last batch cannot be told
+    in advance, so there every batch log has them.
 
     When a step overflows while the scale is already at its floor
     (`min_scale`), loss scaling cannot help any more: `on_min_scale="warn"`
