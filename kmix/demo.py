@@ -356,14 +356,11 @@ def figure(results, policy):
             ax_loss.plot(steps, np.where(finite, losses, np.nan), color=colors[run], label=labels[run],
                          linewidth=3 if wide else 1, alpha=0.5 if wide else 1.0, zorder=1 if wide else 2)
         if r["first_nan_step"] is not None:
+            always = "" if finite.any() else " on (no finite loss: no line)"
             ax_loss.axvline(r["first_nan_step"], color=colors[run], linestyle=":", linewidth=2,
-                            label=f"{labels[run]}: NaN from step {r['first_nan_step']}")
-            if not finite.any():
-                ax_loss.text(r["first_nan_step"], 0.5, f" {labels[run]}: NaN on every step,\n no line to draw",
-                             color=colors[run], fontsize=8, transform=ax_loss.get_xaxis_transform())
+                            label=f"{labels[run]}: NaN from step {r['first_nan_step']}{always}")
     if finite_losses:
-        top = max(np.percentile(v, 99) for v in finite_losses)
-        ax_loss.set_ylim(0, top * 1.1)
+        ax_loss.set_ylim(0, max(v.max() for v in finite_losses) * 1.15)  # room for the legend
     ax_loss.set(title="training loss per step", xlabel="step", ylabel="loss")
     ax_loss.legend(fontsize=8, loc="upper right")
 
@@ -402,12 +399,14 @@ def _plot_naive_scale(ax, r, color, label):
     steps = np.arange(1, len(scales) + 1)
     ax.plot(steps, np.where(scales > 0, scales, np.nan), color=color, label=label)
     ax.set_yscale("log")
+    ax.set_xlim(0, len(scales) + 1)
     note = f"{r['skipped_steps']} of {len(scales)} steps skipped"
+    if r["skipped_steps"] == len(scales):
+        note += ",\nthe scale halved on each"
     if (scales <= 0).any():
-        note += f"; 0 from step {int(np.argmax(scales <= 0)) + 1}"
-    elif r["skipped_steps"] == len(scales):
-        note += ": halved on every step"
-    ax.text(0.02, 0.04, note, transform=ax.transAxes, fontsize=8)
+        zero = int(np.argmax(scales <= 0)) + 1
+        ax.axvline(zero, color=color, linestyle=":", label=f"scale 0 (below float32's range) from step {zero}")
+    ax.text(0.98, 0.04, note, transform=ax.transAxes, fontsize=8, ha="right")
     ax.legend(fontsize=8, loc="upper right")
 
 
