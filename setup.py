@@ -27,7 +27,7 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest>=7", "absl-py"],
+        "test": ["pytest>=7", "absl-py", "tensorboard"],  # tensorboard: the TensorBoard callback test
     },
     entry_points={"console_scripts": ["kmix=kmix.__main__:main"]},
     classifiers=[

@@ -17,12 +17,15 @@ over the first tenth of the steps: warm-up alone does not cure the NaN.
 
 It prints a table (final loss and accuracy on held-out sequences, skipped
 steps, final loss scale, training time, first NaN step) and saves a PNG of
-the per-step training loss and the loss scale.
+the per-step training loss and the loss scale of both mixed runs. On a
+terminal each run shows Keras's progress bar; when the output goes to a file
+or a CI log, a few compact lines instead (`--progress` chooses).
 """
 
 import argparse
 import math
 import os
+import sys
 import time
 
 import keras
@@ -140,6 +143,27 @@ class _MaskedMean(keras.layers.Layer):
         return keras.ops.sum(x * keep, axis=1) / keras.ops.maximum(keras.ops.sum(keep, axis=1), 1)
 
 
+class _CompactProgress(keras.callbacks.Callback):
+    """About ten lines per run: step, running loss and seconds so far (for logs, not terminals)."""
+
+    def __init__(self, steps, lines=10, stream=None):
+        super().__init__()
+        self.steps, self.every = steps, max(1, math.ceil(steps / lines))
+        self.stream = stream
+
+    def on_train_begin(self, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = batch + 1
+        if step % self.every and step != self.steps:
+            return
+        loss = float((logs or {}).get("loss", float("nan")))
+        scale = f"  loss scale {float(logs['loss_scale']):g}" if logs and "loss_scale" in logs else ""
+        print(f"  step {step:>{len(str(self.steps))}}/{self.steps}  mean loss {loss:.4g}{scale}  "
+              f"({time.perf_counter() - self._start:.1f} s)", file=self.stream or sys.stderr, flush=True)
+
+
 class _StepRecorder(keras.callbacks.Callback):
     """Records each step's own loss and the loss scale.
 
@@ -175,7 +199,8 @@ def train_run(run, policy, steps, data, verbose=1, learning_rate=2e-3):
         steps: training steps, one batch of `BATCH` sequences each.
         data: `(x_train, y_train, x_test, y_test)`, at least `steps * BATCH`
             training sequences.
-        verbose: Keras's progress bar (1), one line at the end (2) or none (0).
+        verbose: Keras's progress bar (1), one line at the end (2), none
+            (0), or `"compact"`: about ten short lines (for logs).
         learning_rate: Adam's learning rate (after the kmix run's warm-up).
 
     Returns:
@@ -197,6 +222,9 @@ def train_run(run, policy, steps, data, verbose=1, learning_rate=2e-3):
             # Under mixed_float16, compile wraps this in Keras's LossScaleOptimizer.
             optimizer = keras.optimizers.Adam(learning_rate)
         callbacks.append(recorder)
+        if verbose == "compact":
+            callbacks.append(_CompactProgress(steps))
+            verbose = 0
         model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
         n = steps * BATCH
         start = time.perf_counter()
@@ -271,41 +299,115 @@ def _number(value):
     return f"{value:.4g}"
 
 
+def headline(results, policy):
+    """The figure's title: what the three runs show, in one line."""
+    f32, naive, ours = results["float32"], results["naive"], results["kmix"]
+    if naive["first_nan_step"] is not None:
+        left = f"{policy} with a -1e9 mask: NaN from step {naive['first_nan_step']}"
+    else:
+        left = f"{policy} with a -1e9 mask: stays finite"
+    if ours["first_nan_step"] is None and math.isfinite(ours["final_loss"]):
+        right = (f"with kmix: trains like float32 (held-out loss {_number(ours['final_loss'])} "
+                 f"vs {_number(f32['final_loss'])})")
+    else:
+        right = f"with kmix: NaN from step {ours['first_nan_step']}"
+    return f"{left}; {right}"
+
+
 def plot_results(results, policy, path):
-    """Saves the per-step losses and the loss scales as a PNG at `path`."""
+    """Saves `figure(results, policy)` as a PNG at `path`; returns `path`."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(results, policy)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def figure(results, policy):
+    """The demo's matplotlib figure: per-step losses and both mixed runs' loss scales.
+
+    Three panels: the training loss of every run (a run that is NaN throughout
+    appears as a marker at its first NaN step, not as a legend entry with no
+    line); kmix's loss scale on a log2 axis fitted to its own range, with the
+    skipped steps marked; the naive run's scale (Keras's LossScaleOptimizer)
+    on a log axis that reaches down as far as it falls. The title states the
+    conclusion.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_loss, ax_ours, ax_naive) = plt.subplots(
+        1, 3, figsize=(15, 4.8), gridspec_kw={"width_ratios": [1.4, 1, 1]}
+    )
     labels = {"float32": "float32", "naive": f"{policy}, -1e9 mask", "kmix": f"{policy}, kmix"}
     colors = {"float32": "tab:blue", "naive": "tab:red", "kmix": "tab:green"}
+    finite_losses = []
     for run, r in results.items():
         losses = np.asarray(r["losses"], dtype=float)
         steps = np.arange(1, len(losses) + 1)
-        # float32 wide and underneath: where kmix tracks it exactly, both stay visible.
-        wide = run == "float32"
-        ax_loss.plot(steps, losses, color=colors[run], label=labels[run], linewidth=3 if wide else 1,
-                     alpha=0.5 if wide else 1.0, zorder=1 if wide else 2)
+        finite = np.isfinite(losses)
+        if finite.any():
+            finite_losses.append(losses[finite])
+            # float32 wide and underneath: where kmix tracks it exactly, both stay visible.
+            wide = run == "float32"
+            ax_loss.plot(steps, np.where(finite, losses, np.nan), color=colors[run], label=labels[run],
+                         linewidth=3 if wide else 1, alpha=0.5 if wide else 1.0, zorder=1 if wide else 2)
         if r["first_nan_step"] is not None:
-            ax_loss.axvline(r["first_nan_step"], color=colors[run], linestyle=":",
-                            label=f"{labels[run]}: NaN from step {r['first_nan_step']}")
-        if r["scales"]:
-            scales = np.asarray(r["scales"], dtype=float)
-            shown = np.where(scales > 0, scales, np.nan)  # a scale of 0 has no place on a log axis
-            label = labels[run]
-            if (scales <= 0).any():
-                label += f" (0 from step {int(np.argmax(scales <= 0)) + 1})"
-            ax_scale.plot(np.arange(1, len(scales) + 1), shown, color=colors[run], label=label)
+            always = "" if finite.any() else " on (no finite loss: no line)"
+            ax_loss.axvline(r["first_nan_step"], color=colors[run], linestyle=":", linewidth=2,
+                            label=f"{labels[run]}: NaN from step {r['first_nan_step']}{always}")
+    if finite_losses:
+        ax_loss.set_ylim(0, max(v.max() for v in finite_losses) * 1.15)  # room for the legend
     ax_loss.set(title="training loss per step", xlabel="step", ylabel="loss")
-    ax_loss.legend(fontsize=8)
-    ax_scale.set(title="loss scale", xlabel="step", ylabel="scale", yscale="log")
-    ax_scale.legend(fontsize=8)
+    ax_loss.legend(fontsize=8, loc="upper right")
+
+    _plot_kmix_scale(ax_ours, results["kmix"], colors["kmix"], labels["kmix"])
+    _plot_naive_scale(ax_naive, results["naive"], colors["naive"], labels["naive"])
+    fig.suptitle(headline(results, policy), fontsize=12, fontweight="bold")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig
+
+
+def _plot_kmix_scale(ax, r, color, label):
+    scales = np.asarray(r["scales"], dtype=float)
+    steps = np.arange(1, len(scales) + 1)
+    ax.set(title="kmix: loss scale (kmix.wrap)", xlabel="step", ylabel="loss scale")
+    if not len(scales):
+        return
+    ax.step(steps, scales, where="post", color=color, label=label)
+    drops = steps[1:][scales[1:] < scales[:-1]]
+    if len(drops):
+        ax.plot(drops, scales[drops - 1], "v", color="black", markersize=5,
+                label=f"overflow: step skipped, scale halved ({len(drops)}x)")
+    ax.set_yscale("log", base=2)
+    low, high = np.log2(scales[scales > 0].min()), np.log2(scales.max())
+    ax.set_ylim(2 ** (np.floor(low) - 2), 2 ** (np.ceil(high) + 2))
+    ax.text(0.02, 0.04, f"{r['skipped_steps']} of {len(scales)} steps skipped; final scale "
+            f"{r['final_scale']:g}", transform=ax.transAxes, fontsize=8)
+    ax.legend(fontsize=8, loc="upper right")
+
+
+def _plot_naive_scale(ax, r, color, label):
+    scales = np.asarray(r["scales"], dtype=float)
+    ax.set(title="naive run: Keras's loss scale", xlabel="step", ylabel="loss scale (log)")
+    if not len(scales):
+        ax.text(0.5, 0.5, "no loss scale (not float16)", ha="center", transform=ax.transAxes)
+        return
+    steps = np.arange(1, len(scales) + 1)
+    ax.plot(steps, np.where(scales > 0, scales, np.nan), color=color, label=label)
+    ax.set_yscale("log")
+    ax.set_xlim(0, len(scales) + 1)
+    note = f"{r['skipped_steps']} of {len(scales)} steps skipped"
+    if r["skipped_steps"] == len(scales):
+        note += ",\nthe scale halved on each"
+    if (scales <= 0).any():
+        zero = int(np.argmax(scales <= 0)) + 1
+        ax.axvline(zero, color=color, linestyle=":", label=f"scale 0 (below float32's range) from step {zero}")
+    ax.text(0.98, 0.04, note, transform=ax.transAxes, fontsize=8, ha="right")
+    ax.legend(fontsize=8, loc="upper right")
 
 
 def main(argv=None):
@@ -336,7 +438,10 @@ def main(argv=None):
                         "under mixed_bfloat16 the -1e9 mask does not overflow)")
     parser.add_argument("--out", default="kmix-out",
                         help="folder for the PNG, created if missing (default ./kmix-out)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars, only the table")
+    parser.add_argument("--quiet", action="store_true", help="no progress output, only the table")
+    parser.add_argument("--progress", choices=["auto", "bar", "compact"], default="auto",
+                        help="Keras's progress bar, or about ten short lines per run; auto (the "
+                        "default): the bar on a terminal, compact lines when output is piped")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1; received {args.steps}")
@@ -349,10 +454,16 @@ def main(argv=None):
         "naive": f"{args.policy} with the hand-written (1 - mask) * -1e9 softmax",
         "kmix": f"{args.policy} with kmix (MaskedSoftmax, kmix.wrap, LossScaleMonitor)",
     }
+    if args.quiet:
+        verbose = 0
+    elif args.progress == "bar" or (args.progress == "auto" and sys.stdout.isatty()):
+        verbose = 1
+    else:
+        verbose = "compact"
     progress(f"Each run warms the learning rate up over its first {max(1, args.steps // 10)} steps.")
     for i, run in enumerate(RUNS, 1):
         progress(f"[{i}/{len(RUNS)}] {titles[run]}: {args.steps} steps")
-        results[run] = train_run(run, args.policy, args.steps, data, verbose=0 if args.quiet else 1)
+        results[run] = train_run(run, args.policy, args.steps, data, verbose=verbose)
     print()
     print(format_results(results, args.policy))
     print()

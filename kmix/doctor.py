@@ -129,8 +129,10 @@ def gather_facts():
         A dict with `versions` (name -> version string), `gpus` (one dict per
         GPU: `name`, `compute_capability` or None), `cpu` (architecture and
         cores), `built_with_cuda`, `cuda` / `cudnn` build versions (or
-        None), `tf32` (whether TF32 matmuls are enabled) and `xla` (a string:
-        "yes" or why not).
+        None), `tf32` (whether TensorFlow's TF32 setting is on; it acts only on
+        GPUs of compute capability 8.0+), `xla` (a string: "yes" or why
+        not), `cuda_visible_devices` (the variable, or None when unset) and
+        `nvidia_driver` (the driver's version line, or None).
     """
     import keras
     import numpy as np
@@ -165,7 +167,69 @@ def gather_facts():
         "cudnn": build.get("cudnn_version"),
         "tf32": tf.config.experimental.tensor_float_32_execution_enabled(),
         "xla": _check_xla(tf),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "nvidia_driver": _nvidia_driver(),
     }
+
+
+def _nvidia_driver():
+    """The NVIDIA kernel driver's version line, or None when no driver is loaded (Linux)."""
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            return f.readline().strip() or None
+    except OSError:
+        return None
+
+
+def tf32_line(facts):
+    """What the report says about TF32: only meaningful with a GPU of compute capability 8.0+.
+
+    Args:
+        facts: the dict of `gather_facts()` (`gpus`, `tf32`).
+
+    Returns:
+        One line of text.
+
+    Example:
+        >>> tf32_line({"gpus": [], "tf32": True})
+        'not applicable (no GPU; TF32 is a tensor-core mode of compute capability 8.0+)'
+    """
+    ccs = [gpu["compute_capability"] for gpu in facts["gpus"]]
+    if not ccs:
+        return "not applicable (no GPU; TF32 is a tensor-core mode of compute capability 8.0+)"
+    capable = [i for i, cc in enumerate(ccs) if cc is not None and tensor_cores(cc)["bfloat16"]]
+    if not capable:
+        return "not applicable (no GPU of compute capability 8.0+, which TF32 needs)"
+    which = "every GPU" if len(capable) == len(ccs) else "GPU " + ", ".join(str(i) for i in capable)
+    if facts["tf32"]:
+        return f"enabled on {which} (float32 matmuls and convolutions run on tensor cores)"
+    return (f"disabled (float32 matmuls in full float32 on {which}; "
+            "tf.config.experimental.enable_tensor_float_32_execution(True) turns it on)")
+
+
+def why_no_gpu(facts):
+    """Why a CUDA build of TensorFlow sees no GPU, as far as the facts tell; None otherwise.
+
+    Args:
+        facts: the dict of `gather_facts()`.
+
+    Returns:
+        A sentence, or None when there is a GPU or TensorFlow is not a CUDA build.
+    """
+    if facts["gpus"] or not facts["built_with_cuda"]:
+        return None
+    visible = facts.get("cuda_visible_devices")
+    if visible is not None and visible.strip() in ("", "-1", "none", "NoDevFiles"):
+        return (f"TensorFlow is a CUDA build but sees no GPU: CUDA_VISIBLE_DEVICES is set to "
+                f"{visible!r}, which hides every GPU. Unset it, or list the GPUs (e.g. 0).")
+    if facts.get("nvidia_driver") is None:
+        return ("TensorFlow is a CUDA build but sees no GPU: no NVIDIA driver is loaded "
+                "(/proc/driver/nvidia/version is missing): a machine without a GPU, or a "
+                "container started without GPU access (docker --gpus all).")
+    shown = "" if visible is None else f" CUDA_VISIBLE_DEVICES={visible!r} may hide them."
+    return ("TensorFlow is a CUDA build and an NVIDIA driver is loaded, but TensorFlow sees no "
+            "GPU: the driver may be older than the CUDA libraries TensorFlow needs, or they may "
+            f"be missing (pip install tensorflow[and-cuda]); TensorFlow's log says which.{shown}")
 
 
 def _check_xla(tf):
@@ -200,10 +264,12 @@ def format_report(facts, recommendation):
         lines.append(f"    bfloat16 tensor cores   {_yes(cores['bfloat16'])}")
     if not facts["gpus"]:
         lines.append(f"  {'':<11} float16 tensor cores: no; bfloat16 tensor cores: no (no GPU)")
+        reason = why_no_gpu(facts)
+        if reason:
+            lines.append(f"  {'':<11} {reason}")
     lines.append("Compilation")
     lines.append(f"  {'XLA':<11} {facts['xla']}")
-    lines.append(f"  {'TF32':<11} {'enabled' if facts['tf32'] else 'disabled'} "
-                 "(float32 matmuls on tensor cores, compute capability 8.0+)")
+    lines.append(f"  {'TF32':<11} {tf32_line(facts)}")
     lines.append("Recommended policy")
     lines.append(f"  {recommendation.policy}")
     lines.append(f"  {recommendation.reason}")

@@ -1,5 +1,7 @@
 """`python -m kmix demo`: the naive run goes NaN, the kmix run trains like float32."""
 
+import contextlib
+import io
 import math
 import os
 
@@ -39,16 +41,19 @@ def test_naive_mask_is_nan_in_float16_and_kmix_matches_float32():
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
+    """One demo run of 40 steps, its output captured: stdout is then not a terminal."""
     out = tmp_path_factory.mktemp("demo")
+    stdout, stderr = io.StringIO(), io.StringIO()
     try:
-        results = demo.main(["--steps", "40", "--quiet", "--out", str(out)])
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            results = demo.main(["--steps", "40", "--out", str(out)])
     finally:
         keras.config.set_dtype_policy("float32")
-    return results, out
+    return results, out, stdout.getvalue(), stderr.getvalue()
 
 
 def test_demo_naive_run_goes_nan(demo_run):
-    results, _ = demo_run
+    results = demo_run[0]
     naive = results["naive"]
     assert naive["first_nan_step"] == 1
     assert all(math.isnan(v) for v in naive["losses"])
@@ -58,7 +63,7 @@ def test_demo_naive_run_goes_nan(demo_run):
 
 
 def test_demo_kmix_run_trains_like_float32(demo_run):
-    results, _ = demo_run
+    results = demo_run[0]
     f32, ours = results["float32"], results["kmix"]
     assert len(ours["losses"]) == 40 and all(math.isfinite(v) for v in ours["losses"])
     assert ours["first_nan_step"] is None and f32["first_nan_step"] is None
@@ -70,7 +75,7 @@ def test_demo_kmix_run_trains_like_float32(demo_run):
 
 
 def test_demo_prints_table_and_saves_png(demo_run, capsys):
-    results, out = demo_run
+    results, out = demo_run[:2]
     path = os.path.join(out, "demo.png")
     assert results["plot"] == path
     with open(path, "rb") as f:
@@ -89,3 +94,44 @@ def test_demo_help_describes_options(capsys):
     text = capsys.readouterr().out
     for option in ("--steps", "--policy", "--out", "mixed_bfloat16", "kmix-out"):
         assert option in text
+
+
+def test_demo_progress_is_compact_without_a_terminal(demo_run):
+    _, _, stdout, stderr = demo_run
+    lines = (stdout + stderr).splitlines()
+    # Reference: Keras's bar redraws per step ("━" and carriage returns); compact mode
+    # prints every ceil(40 / 10) = 4 steps: 10 lines per run, 30 in all.
+    assert "━" not in stdout + stderr and "\r" not in stdout + stderr
+    step_lines = [line for line in lines if line.lstrip().startswith("step ")]
+    assert [line.split()[1] for line in step_lines] == [f"{k}/40" for k in range(4, 41, 4)] * 3
+    assert "loss scale 32768" in step_lines[-1]  # the kmix run shows its scale
+
+
+def test_demo_figure_draws_every_legend_entry_and_states_the_conclusion(demo_run):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = {k: demo_run[0][k] for k in demo.RUNS}
+    fig = demo.figure(results, "mixed_float16")
+    try:
+        title = fig.get_suptitle()
+        assert "NaN from step 1" in title and "with kmix: trains like float32" in title
+        ax_loss, ax_ours, ax_naive = fig.axes
+        for ax in fig.axes:
+            legend = ax.get_legend()
+            for handle, text in zip(legend.legend_handles, legend.get_texts()):
+                # Every entry names an artist with something drawn (a finite point).
+                lines = [l for l in ax.get_lines() if l.get_label() == text.get_text()]
+                assert lines, text.get_text()
+                assert np.isfinite(np.asarray(lines[0].get_ydata(), float)).any(), text.get_text()
+        assert "-1e9 mask: NaN from step 1" in [t.get_text() for t in ax_loss.get_legend().get_texts()][1]
+        # kmix's scale panel is fitted to kmix's scales (2^15 here), not to the naive run's 2^-25.
+        low, high = ax_ours.get_ylim()
+        scales = np.asarray(results["kmix"]["scales"])
+        assert scales.min() / 8 <= low < scales.min() and scales.max() < high <= scales.max() * 8
+        # The naive panel reaches down to the naive run's last scale.
+        assert ax_naive.get_ylim()[0] <= results["naive"]["scales"][-1]
+    finally:
+        plt.close(fig)

@@ -85,3 +85,47 @@ def test_main_prints_versions_and_recommendation(capsys):
     assert "Recommended policy\n  " + expected.policy in out
     if not gpus:
         assert "No GPU found" in out
+
+
+def _facts(gpus, tf32=True, built_with_cuda=True, visible=None, driver=None):
+    return {
+        "versions": {"python": "3.11"}, "gpus": gpus, "cpu": "x86_64, 2 core(s)",
+        "built_with_cuda": built_with_cuda, "cuda": "12.5", "cudnn": "9", "tf32": tf32,
+        "xla": "yes", "cuda_visible_devices": visible, "nvidia_driver": driver,
+    }
+
+
+def test_tf32_is_reported_only_for_a_gpu_that_has_it():
+    line = lambda gpus, tf32=True: doctor.tf32_line(_facts(gpus, tf32))  # noqa: E731
+    assert line([]).startswith("not applicable (no GPU")
+    assert line([{"name": "T4", "compute_capability": (7, 5)}]).startswith("not applicable")
+    assert line([{"name": "H100", "compute_capability": (9, 0)}]).startswith("enabled on every GPU")
+    assert line([{"name": "H100", "compute_capability": (9, 0)}], tf32=False).startswith("disabled")
+    two = [{"name": "A100", "compute_capability": (8, 0)}, {"name": "V100", "compute_capability": (7, 0)}]
+    assert line(two).startswith("enabled on GPU 0 ")
+    report = doctor.format_report(_facts([]), doctor.recommend_policy([]))
+    assert "TF32        not applicable" in report and "TF32        enabled" not in report
+
+
+def test_why_a_cuda_build_sees_no_gpu():
+    assert doctor.why_no_gpu(_facts([{"name": "H100", "compute_capability": (9, 0)}])) is None
+    assert doctor.why_no_gpu(_facts([], built_with_cuda=False)) is None
+    for hidden in ("", "-1"):
+        reason = doctor.why_no_gpu(_facts([], visible=hidden, driver="NVRM version: 550"))
+        assert f"CUDA_VISIBLE_DEVICES is set to {hidden!r}" in reason
+    assert "no NVIDIA driver" in doctor.why_no_gpu(_facts([]))
+    reason = doctor.why_no_gpu(_facts([], visible="3", driver="NVRM version: 550"))
+    assert "driver is loaded" in reason and "CUDA_VISIBLE_DEVICES='3'" in reason
+    report = doctor.format_report(_facts([], visible=""), doctor.recommend_policy([]))
+    assert "CUDA_VISIBLE_DEVICES is set to ''" in report
+
+
+def test_doctor_with_cuda_visible_devices_empty_says_why(monkeypatch, capsys):
+    """`main` with the variable set empty: the reason matches this TensorFlow build and its GPUs."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    result = doctor.main([])
+    out = capsys.readouterr().out
+    assert result["facts"]["cuda_visible_devices"] == ""
+    no_gpu = not tf.config.list_physical_devices("GPU")
+    assert ("CUDA_VISIBLE_DEVICES is set to ''" in out) is (no_gpu and tf.test.is_built_with_cuda())
+    assert ("TF32        not applicable (no GPU" in out) is no_gpu

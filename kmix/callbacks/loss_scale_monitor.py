@@ -8,20 +8,26 @@ from kmix import _checks as checks
 from kmix.callbacks import _common
 
 ON_MIN_SCALE = ("warn", "raise", "ignore")
+_THINNED = object()  # the wrapped train step ran and `log_every` left this batch out
 
 
 @keras.saving.register_keras_serializable(package="kmix")
 class LossScaleMonitor(keras.callbacks.Callback):
     """Logs what the loss scale is doing and reports the gradients that overflow.
 
-    Batch logs get `loss_scale` (the optimizer's current scale) and
-    `skipped_steps` (all steps it skipped so far); epoch logs get both plus
-    `overflow_rate`, the fraction of the epoch's steps that were skipped.
-    Keras passes one logs dict along `callbacks=` in order, so the monitor
-    must come *before* the callbacks that should see these keys:
-    `CSVLogger`, `keras.callbacks.TensorBoard`, `ModelCheckpoint(monitor=...)`.
-    The progress bar and `History` are appended by `fit` after every user
-    callback, so they always see them.
+    Batch logs get `loss_scale` (the optimizer's current scale),
+    `skipped_steps` (all steps it skipped so far) and `overflow_rate` (the
+    fraction of the epoch's steps so far that were skipped); epoch logs get
+    the three at the epoch's end. Every callback sees them, wherever the
+    monitor is listed in `callbacks=` (`CSVLogger`, `TensorBoard`,
+    `ModelCheckpoint(monitor="loss_scale")`, ...): during `fit` the monitor
+    wraps `model.train_function` so that the keys are in the logs the train
+    step returns, before any callback runs, and restores it at the end.
+
+    With `log_every=k` only every k-th batch log has them, and the last one of
+    each epoch, so that the epoch logs have them. On an epoch of unknown
+    length (a dataset of unknown cardinality) the last batch cannot be told
+    in advance, so there every batch log has them.
 
     When a step overflows while the scale is already at its floor
     (`min_scale`), loss scaling cannot help any more: `on_min_scale="warn"`
@@ -48,8 +54,8 @@ class LossScaleMonitor(keras.callbacks.Callback):
     Example:
 
     >>> model.compile(optimizer=kmix.wrap(keras.optimizers.Adam()), loss="mse")
-    >>> history = model.fit(x, y, callbacks=[kmix.callbacks.LossScaleMonitor(),
-    ...                                      keras.callbacks.CSVLogger("log.csv")])
+    >>> history = model.fit(x, y, callbacks=[keras.callbacks.CSVLogger("log.csv"),
+    ...                                      kmix.callbacks.LossScaleMonitor()])
     >>> history.history["loss_scale"], history.history["overflow_rate"]
     """
 
@@ -73,7 +79,12 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._warned = False
         self._calls = 0
         self._epoch = 0
+        self._batch_begin = 0
+        self._skipped_at_epoch_begin = self._skipped_at_train_begin
+        self._added = None
+        self._expect_step = False
         self.report = []
+        self._wrap_train_function()
 
     def on_epoch_begin(self, epoch, logs=None):
         """Records the skip count the epoch starts from."""
@@ -81,29 +92,41 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self._skipped_at_epoch_begin = self._counter("skipped_steps")
         self._steps_in_epoch = 0
 
+    def on_train_batch_begin(self, batch, logs=None):
+        """Wraps the train function again if a callback rebuilt it; notes the batch."""
+        self._batch_begin = batch
+        self._expect_step = True
+        if not isinstance(getattr(self.model, "train_function", None), _LoggingStep):
+            self._wrap_train_function()
+
     def on_train_batch_end(self, batch, logs=None):
-        """Adds `loss_scale` / `skipped_steps` to the logs; checks for min-scale overflows."""
+        """Checks for min-scale overflows; adds the scalars if the train step did not."""
         # `batch` is the index of the last step of the execution, within the epoch.
         self._steps_in_epoch = batch + 1
-        self._calls += 1
+        self._expect_step = False
         if self.on_min_scale != "ignore":
             self._check_min_scale(batch)
-        if logs is not None and self._calls % self.log_every == 0:
-            logs.update(self._scalars())
+        added, self._added = self._added, None
+        if added is _THINNED:
+            added = None
+        elif added is None:
+            # Not through the wrapped train function (a custom loop driving callbacks).
+            self._calls += 1
+            if self._calls % self.log_every == 0:
+                added = self._scalars(steps_in_epoch=batch + 1)
+        if logs is not None and added is not None:
+            logs.update(added)
 
     def on_epoch_end(self, epoch, logs=None):
         """Adds `loss_scale`, `skipped_steps` and `overflow_rate` to the epoch logs."""
         if self.on_min_scale != "ignore":
             self._check_min_scale(None)
-        if logs is None:
-            return
-        scalars = self._scalars()
-        skipped = scalars["skipped_steps"] - self._skipped_at_epoch_begin
-        scalars["overflow_rate"] = skipped / self._steps_in_epoch if self._steps_in_epoch else 0.0
-        logs.update(scalars)
+        if logs is not None:
+            logs.update(self._scalars(self._steps_in_epoch))
 
     def on_train_end(self, logs=None):
-        """Prints the optimizer's overflow report if a step was skipped during training."""
+        """Restores the train function; prints the overflow report if a step was skipped."""
+        self._unwrap_train_function()
         skipped = self._counter("skipped_steps") - self._skipped_at_train_begin
         if skipped <= 0:
             return
@@ -113,11 +136,42 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def _counter(self, name):
         return _common.read(getattr(self._optimizer, name)) if self._optimizer.built else 0
 
-    def _scalars(self):
+    def _scalars(self, steps_in_epoch):
+        skipped = int(self._counter("skipped_steps"))
+        in_epoch = skipped - self._skipped_at_epoch_begin
         return {
             "loss_scale": float(_common.read(self._optimizer.loss_scale)),
-            "skipped_steps": int(self._counter("skipped_steps")),
+            "skipped_steps": skipped,
+            "overflow_rate": in_epoch / steps_in_epoch if steps_in_epoch else 0.0,
         }
+
+    # ------------------------------------------------ the wrapped train function
+    def _wrap_train_function(self):
+        function = getattr(self.model, "train_function", None)
+        if function is None:
+            return  # not inside `fit`: on_train_batch_end adds the keys itself
+        while isinstance(function, _LoggingStep):  # one left by a fit that raised
+            function = function.inner
+        self.model.train_function = _LoggingStep(function, self)
+
+    def _unwrap_train_function(self):
+        function = getattr(self.model, "train_function", None)
+        if isinstance(function, _LoggingStep):
+            self.model.train_function = function.inner
+
+    def _after_step(self, logs):
+        """The keys to add to the logs of the step that just ran, or None (thinned)."""
+        self._calls += 1
+        steps = self.params.get("steps") if self.params else None
+        per_execution = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        end = self._batch_begin + per_execution
+        last_of_epoch = steps is None or end >= steps
+        if self._calls % self.log_every and not last_of_epoch:
+            self._added = _THINNED
+            return None
+        steps_done = end if steps is None else min(end, steps)
+        self._added = self._scalars(steps_done)
+        return self._added
 
     def _check_min_scale(self, batch):
         count = self._counter("min_scale_overflows")
@@ -136,6 +190,7 @@ class LossScaleMonitor(keras.callbacks.Callback):
             "(see `optimizer.overflow_report()`), lower the learning rate, or check the data."
         )
         if self.on_min_scale == "raise":
+            self._unwrap_train_function()  # fit does not call on_train_end after a raise
             raise FloatingPointError(message)
         if not self._warned:
             self._warned = True
@@ -149,6 +204,29 @@ class LossScaleMonitor(keras.callbacks.Callback):
     def from_config(cls, config):
         """Re-creates the callback from `get_config()`."""
         return cls(**config)
+
+
+class _LoggingStep:
+    """`model.train_function` with the monitor's scalars added to the logs it returns.
+
+    Keras hands the logs a train step returns to every callback in turn; keys
+    entered here reach all of them, and the epoch logs (built from the last
+    step's logs when their keys differ from the metrics'). It adds nothing
+    unless the monitor expects this step (its `on_train_batch_begin` ran), so
+    one left behind by a `fit` that raised is inert.
+    """
+
+    def __init__(self, inner, monitor):
+        self.inner = inner
+        self.monitor = monitor
+
+    def __call__(self, *args, **kwargs):
+        expected, self.monitor._expect_step = self.monitor._expect_step, False
+        logs = self.inner(*args, **kwargs)
+        if not expected or not isinstance(logs, dict):
+            return logs
+        added = self.monitor._after_step(logs)
+        return logs if added is None else {**logs, **added}
 
 
 def _format_report(report, skipped, scale, top=10):

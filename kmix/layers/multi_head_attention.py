@@ -12,7 +12,9 @@ explicit path around `kmix.ops.masked_softmax`, through the protected
 import keras
 from keras import ops
 
-from kmix.ops.softmax import _masked_softmax, check_broadcastable
+from kmix.ops.softmax import _masked_softmax, check_broadcastable, keep_from_mask
+
+_NAMES = {"mask": "attention_mask", "bias": "attention_bias"}
 
 
 @keras.saving.register_keras_serializable(package="kmix")
@@ -36,6 +38,12 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
     Call arguments:
         query, value, key, query_mask, value_mask, key_mask, attention_mask,
         return_attention_scores, training, use_causal_mask: as Keras.
+            `attention_mask` keeps where True (torch's `key_padding_mask` /
+            boolean `attn_mask` are the opposite: pass their logical_not). A
+            numeric `attention_mask` must hold values in [0, 1]: an additive
+            0 / -1e9 mask given there raises a `ValueError` (eagerly; see
+            `kmix.ops.masked_softmax` for graph mode and XLA) pointing to
+            `attention_bias`, where Keras's own layer silently inverts it.
         attention_bias: optional additive float bias, shaped like
             `attention_mask` (`(B, T, S)`) or with the heads axis
             (`(B, N, T, S)`), broadcastable: 0 keeps, values <= -1e3 (-1e4,
@@ -77,10 +85,17 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
                     "float dtype (0 keeps, large negatives mask). Pass a boolean "
                     "mask as `attention_mask`."
                 )
+        in_range = None
+        if attention_mask is not None:
+            # Keras casts `attention_mask` to bool (non-zero keeps), which would turn an
+            # additive 0 / -1e9 bias given here into its inverse: check it first.
+            attention_mask, in_range = keep_from_mask(attention_mask, _NAMES)
         # Keras's `call` hands `_compute_attention` a fixed argument list, so
         # the bias travels beside it for the length of this call. Set with
         # object.__setattr__: a tensor is not layer state to be tracked.
         object.__setattr__(self, "_kmix_attention_bias", attention_bias)
+        # In a graph, the mask's in-range flag: NaN probabilities where XLA drops the assertion.
+        object.__setattr__(self, "_kmix_mask_in_range", in_range)
         try:
             return super().call(
                 query,
@@ -96,6 +111,7 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             )
         finally:
             object.__setattr__(self, "_kmix_attention_bias", None)
+            object.__setattr__(self, "_kmix_mask_in_range", None)
 
     def _compute_attention(
         self,
@@ -148,15 +164,19 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
                 bias.shape, attention_scores.shape, "attention_bias",
                 "attention_scores", shown_shape=shown_shape,
             )
-        return _masked_softmax(
+        probs = _masked_softmax(
             attention_scores,
             attention_mask,
             bias,
             tuple(range(rank - num_axes, rank)),
             attention_scores.dtype,
             log=False,
-            names={"logits": "attention_scores", "mask": "attention_mask", "bias": "attention_bias"},
+            names={"logits": "attention_scores", **_NAMES},
         )
+        in_range = getattr(self, "_kmix_mask_in_range", None)
+        if in_range is not None:
+            probs = ops.where(in_range, probs, ops.full((), float("nan"), probs.dtype))
+        return probs
 
     def compute_output_spec(
         self,

@@ -31,7 +31,11 @@ class Softmax(keras.layers.Softmax):
 
     Call arguments:
         inputs: the logits.
-        mask: optional bool or numeric mask broadcastable to `inputs`.
+        mask: optional bool or numeric mask broadcastable to `inputs`; True
+            (or a value > 0.5) keeps a position, as in Keras (torch's
+            `key_padding_mask` is the opposite). A numeric mask must hold
+            values in [0, 1]: an additive bias (0 / -1e9) raises a
+            `ValueError` pointing to `MaskedSoftmax`'s `bias`.
 
     Returns:
         The probabilities, of `inputs`'s shape.
@@ -43,6 +47,9 @@ class Softmax(keras.layers.Softmax):
         <tf.Tensor: shape=(1, 3), dtype=float32,
                     numpy=array([[0.26894143, 0.7310586 , 0.        ]], dtype=float32)>
     """
+
+    # Where the error for an additive bias passed as `mask` sends the user.
+    _mask_names = {"bias_where": " of `kmix.layers.MaskedSoftmax`"}
 
     def __init__(self, axis=-1, output_dtype=None, autocast=False, **kwargs):
         super().__init__(axis=axis, autocast=autocast, **kwargs)
@@ -59,7 +66,7 @@ class Softmax(keras.layers.Softmax):
             self.axis,
             self.output_dtype or self.compute_dtype,
             log=False,
-            names={"logits": "inputs"},
+            names={"logits": "inputs", **self._mask_names},
         )
 
     def compute_output_spec(self, inputs, mask=None):
@@ -88,8 +95,13 @@ class MaskedSoftmax(Softmax):
 
     Call arguments:
         inputs: the logits, e.g. attention scores `(batch, heads, T, S)`.
-        mask: optional bool or numeric mask broadcastable to `inputs`.
-        bias: optional additive float bias broadcastable to `inputs`.
+        mask: optional bool or numeric mask broadcastable to `inputs`; True
+            (or a value > 0.5) keeps, as in Keras. A numeric mask with
+            values outside [0, 1] (an additive bias given as `mask`) raises
+            a `ValueError`; see `kmix.ops.masked_softmax` for graph mode.
+        bias: optional additive float bias broadcastable to `inputs`. One
+            holding only 0 and 1 (a keep-mask given as `bias`, which masks
+            nothing) gives a warning when its values are known.
 
     Returns:
         The probabilities, of `inputs`'s shape.
@@ -100,6 +112,8 @@ class MaskedSoftmax(Softmax):
         >>> kmix.layers.MaskedSoftmax()(scores, bias=bias)[0, 0]
         <tf.Tensor: shape=(3,), dtype=float32, numpy=array([0.5, 0.5, 0. ], dtype=float32)>
     """
+
+    _mask_names = {}
 
     def call(self, inputs, mask=None, bias=None):
         return self._softmax(inputs, mask=mask, bias=bias)

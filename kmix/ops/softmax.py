@@ -12,6 +12,8 @@ gradient are exactly zero, and a row with no position left gives zeros and zero
 gradients rather than NaN or a uniform spread over padding.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -32,10 +34,22 @@ def masked_softmax(logits, mask=None, bias=None, axis=-1, dtype=None):
     bias's dtype), or when its logit is `-inf`. Masked positions give exactly 0 and a
     zero gradient; a row with every position masked gives zeros.
 
+    `mask` follows Keras: True (or 1) *keeps* a position. torch's
+    `key_padding_mask` and boolean `attn_mask` are the opposite (True marks
+    padding): pass `~mask` (`keras.ops.logical_not`). An additive bias
+    (0 / -1e9, 0 / -inf) passed as `mask` is an error: a numeric mask must
+    hold values in [0, 1]. Eagerly, or for a constant mask, this raises a
+    `ValueError`; inside a `tf.function` an in-graph assertion raises
+    `InvalidArgumentError`; under XLA, which drops assertions, the output
+    is NaN instead, so the loss shows it. A `bias` holding only 0 and 1
+    (a keep-mask passed as `bias`, which masks nothing) gives a warning when
+    its values are known (eagerly or a constant).
+
     Args:
         logits: a float tensor (float16, bfloat16, float32 or float64).
-        mask: optional; bool, or numeric where a value > 0.5 keeps the
-            position. Broadcastable to `logits` without adding dimensions.
+        mask: optional; bool, or numeric with values in [0, 1] where a value
+            > 0.5 keeps the position (True / 1 keeps, as in Keras).
+            Broadcastable to `logits` without adding dimensions.
         bias: optional additive bias of any float dtype, broadcastable to
             `logits`: 0 keeps, values <= -1e3 (-1e4, -1e9, `finfo.min`,
             `-inf`) mask.
@@ -58,14 +72,16 @@ def masked_softmax(logits, mask=None, bias=None, axis=-1, dtype=None):
 def masked_log_softmax(logits, mask=None, bias=None, axis=-1, dtype=None):
     """Log-softmax in float32 for losses over masked positions; never NaN.
 
-    Same arguments and masking rule as `masked_softmax`. A masked position
+    Same arguments, masking rule and mask checks as `masked_softmax`
+    (True / 1 in `mask` keeps a position). A masked position
     holds 0, not `-inf`, so `labels * log_probs` stays finite there (use the
     mask, not the value, to tell masked positions apart). Its gradient is 0.
 
     Args:
         logits: a float tensor (float16, bfloat16, float32 or float64).
-        mask: optional; bool, or numeric where a value > 0.5 keeps the
-            position. Broadcastable to `logits` without adding dimensions.
+        mask: optional; bool, or numeric with values in [0, 1] where a value
+            > 0.5 keeps the position. Broadcastable to `logits` without
+            adding dimensions.
         bias: optional additive bias of any float dtype, broadcastable to
             `logits`: 0 keeps, values <= -1e3 (-1e4, -1e9, `finfo.min`,
             `-inf`) mask.
@@ -108,18 +124,11 @@ def _masked_softmax(logits, mask, bias, axis, dtype, log, names=None):
     x = tf.cast(logits, compute_dtype)
 
     keep = None
+    mask_ok = None
     if mask is not None:
         mask = tf.convert_to_tensor(mask)
         check_broadcastable(mask.shape, logits.shape, names["mask"], names["logits"])
-        if mask.dtype != tf.bool:
-            if not (mask.dtype.is_floating or mask.dtype.is_integer):
-                raise TypeError(
-                    f"Received: {names['mask']}.dtype={mask.dtype.name}; "
-                    "expected bool, or an integer or float dtype where "
-                    "values > 0.5 keep a position."
-                )
-            mask = tf.greater(mask, tf.cast(0.5, mask.dtype))
-        keep = mask
+        keep, mask_ok = keep_from_mask(mask, names)
     if bias is not None:
         bias = tf.convert_to_tensor(bias)
         if not (bias.dtype.is_floating or bias.dtype.is_integer):
@@ -129,6 +138,7 @@ def _masked_softmax(logits, mask, bias, axis, dtype, log, names=None):
                 f"expected a float dtype (0 keeps, large negatives mask).{hint}"
             )
         check_broadcastable(bias.shape, logits.shape, names["bias"], names["logits"])
+        _warn_if_keep_mask(bias, names)
         bias = tf.cast(bias, compute_dtype)
         # `not (bias <= t)` rather than `bias > t`: a NaN bias stays NaN in the
         # result instead of silently masking the position.
@@ -162,7 +172,119 @@ def _masked_softmax(logits, mask, bias, axis, dtype, log, names=None):
         result = tf.where(keep, shifted - tf.math.log(safe_total), zero)
     else:
         result = tf.math.divide_no_nan(exps, total)
+    if mask_ok is not None:
+        # Under XLA the assertion is dropped: a NaN output makes the bad mask visible.
+        result = tf.where(mask_ok, result, tf.constant(np.nan, compute_dtype))
     return tf.cast(result, out_dtype)
+
+
+def keep_from_mask(mask, names=None):
+    """The boolean keep-mask of a `mask` argument, checked against additive biases.
+
+    A bool mask is returned as is. A numeric mask must hold values in
+    [0, 1] (a value > 0.5 keeps); anything else, typically an additive bias
+    such as 0 / -1e9 or 0 / -inf given as `mask`, raises a `ValueError` when
+    the values are known (eager tensors, constants). Otherwise an in-graph
+    assertion is added and the second return value is the in-range flag, for
+    the caller to turn the output into NaN where assertions are dropped (XLA).
+
+    Args:
+        mask: a tensor of bool, integer or float dtype.
+        names: the argument names for the messages, `{"mask": ..., "bias": ...}`.
+
+    Returns:
+        `(keep, in_range)`: a bool tensor of `mask`'s shape, and None or a bool
+        scalar tensor (None when the check was done in Python or not needed).
+    """
+    names = {"mask": "mask", "bias": "bias", **(names or {})}
+    mask = tf.convert_to_tensor(mask)
+    if mask.dtype == tf.bool:
+        return mask, None
+    if not (mask.dtype.is_floating or mask.dtype.is_integer):
+        raise TypeError(
+            f"Received: {names['mask']}.dtype={mask.dtype.name}; "
+            "expected bool, or an integer or float dtype with values in [0, 1] "
+            "where values > 0.5 keep a position."
+        )
+    keep = tf.greater(mask, tf.cast(0.5, mask.dtype))
+    message = _bias_as_mask_message(names)
+
+    def in_range_of(m):
+        return tf.reduce_all(tf.logical_and(m >= tf.zeros([], m.dtype), m <= tf.ones([], m.dtype)))
+
+    values = _known_values(mask)
+    if values is not None:
+        if not bool(values(in_range_of)):  # one scalar to the host; the values only on error
+            values = np.asarray(values(lambda m: m), np.float64)
+            finite = values[~np.isnan(values)]
+            low, high = (finite.min(), finite.max()) if finite.size else (np.nan, np.nan)
+            nan = ", NaN" if np.isnan(values).any() else ""
+            raise ValueError(
+                f"Received: {names['mask']} with values outside [0, 1] "
+                f"(min={low:g}, max={high:g}{nan}). {message}"
+            )
+        return keep, None
+    in_range = in_range_of(mask)
+    as_float = tf.cast(mask, tf.float32)
+    tf.debugging.Assert(
+        in_range,
+        [f"{names['mask']} has values outside [0, 1]. {message} min:",
+         tf.reduce_min(as_float), "max:", tf.reduce_max(as_float)],
+        name="mask_values_in_0_1",
+    )
+    return keep, in_range
+
+
+def _bias_as_mask_message(names):
+    where = names.get("bias_where", "")
+    return (
+        f"A numeric `{names['mask']}` keeps the positions where it is > 0.5 (True / 1 keeps, "
+        "as in Keras; torch's key_padding_mask is the opposite: True marks padding, pass "
+        "its logical_not). Negative values or values above 1 look like an additive bias "
+        f"(0 keeps, -1e9 or -inf masks): pass it as `{names['bias']}=`{where} instead."
+    )
+
+
+def _warn_if_keep_mask(bias, names):
+    """Warns when `bias` holds only 0 and 1: a keep-mask given as a bias masks nothing."""
+    values = _known_values(bias)
+    if values is None:
+        return
+
+    def keep_mask_like(b):
+        zero, one = tf.zeros([], b.dtype), tf.ones([], b.dtype)
+        only_0_1 = tf.reduce_all(tf.logical_or(tf.equal(b, zero), tf.equal(b, one)))
+        return tf.logical_and(only_0_1, tf.reduce_any(tf.equal(b, one)))
+
+    if bool(values(keep_mask_like)):
+        warnings.warn(
+            f"Received: {names['bias']} holding only 0 and 1. An additive bias of 0 and 1 "
+            "masks nothing (only values <= -1e3, e.g. -1e9 or -inf, mask). If it is a "
+            f"keep-mask (1 keeps, 0 masks), pass it as `{names['mask']}=` instead.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def _known_values(tensor):
+    """None in a graph unless `tensor` is a constant; else `evaluate(fn)` -> `fn(tensor)`'s value.
+
+    Eagerly `fn` runs on the device and only its (scalar) result is copied to
+    the host; for a constant in a graph it runs eagerly on the constant.
+    """
+    if tf.executing_eagerly():
+        return lambda fn: fn(tensor).numpy()
+    static = tf.get_static_value(tensor)
+    if static is None:
+        return None
+    with tf.init_scope():  # eager, outside the graph being traced
+        constant = tf.constant(static)
+    return lambda fn: _eager(fn, constant)
+
+
+def _eager(fn, constant):
+    with tf.init_scope():
+        return fn(constant).numpy()
 
 
 def _output_dtype(logits_dtype, dtype):

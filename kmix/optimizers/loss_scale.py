@@ -272,20 +272,41 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def get_unscaled_gradients(self, grads):
         """tf.keras's name: divides each gradient by the current scale, in float32.
 
-        `apply` unscales by itself, so pass scaled gradients to `apply` and use
-        this only to inspect or log the true gradients.
+        `apply` unscales by itself: pass it these (after clipping, say) with
+        `scaled=False`, or pass it the scaled gradients as they are. Passing
+        these without `scaled=False` would divide by the scale twice.
         """
         scale = self.loss_scale
         return [None if g is None else _unscale(g, scale) for g in grads]
 
     # ----------------------------------------------------------------- apply
-    def apply(self, grads, trainable_variables=None):
+    def apply(self, grads, trainable_variables=None, scaled=True):
         """Applies scaled `grads` once, or skips the step if any is non-finite.
 
         With `accumulation_steps=k`, each call is one micro-batch: its
         unscaled float32 gradients are summed, and every k-th call applies
         their mean, or skips the whole step if any of the k overflowed.
+
+        Args:
+            grads: one gradient (or None) per variable.
+            trainable_variables: the variables; those it was built with by default.
+            scaled: True (the default) when `grads` are the gradients of the
+                scaled loss: they are divided by the scale here. False when
+                they are already unscaled, e.g. by `get_unscaled_gradients`
+                and then clipped (torch's `unscale_`, `clip_grad_norm_`,
+                `step`): they are used as given (half ones in float32), with
+                the same non-finite check, skip, scale update and counters.
+
+        Returns:
+            The optimizer's `iterations`.
+
+        Example:
+            >>> grads = opt.get_unscaled_gradients(tape.gradient(opt.scale_loss(loss), variables))
+            >>> grads, _ = tf.clip_by_global_norm(grads, 1.0)  # clip the true gradients
+            >>> opt.apply(grads, variables, scaled=False)
         """
+        if not isinstance(scaled, bool):
+            raise TypeError(f"`scaled` must be True or False. Received: scaled={scaled!r}")
         grads = list(grads)
         if not self.built:
             # No outer name scope (Keras's class opens one here): each optimizer scopes
@@ -304,8 +325,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
         finite = tf.equal(tf.reduce_sum(nonfinite), 0.0)
         scale = tf.convert_to_tensor(self.dynamic_scale)
+        divisor = scale if scaled else tf.ones([], scale.dtype)  # x / 1 is exact
         unscaled = [
-            g if g is None or getattr(v, "overwrite_with_gradient", False) else _unscale(g, scale)
+            g if g is None or getattr(v, "overwrite_with_gradient", False) else _unscale(g, divisor)
             for g, v in zip(grads, variables)
         ]
         if self.accumulation_steps == 1:

@@ -7,6 +7,7 @@ halves the scale: after k of them the scale is 2^15 / 2^k, exactly.
 """
 
 import csv
+import importlib.util
 import os
 import tempfile
 import warnings
@@ -21,6 +22,7 @@ from tests.callbacks.helpers import MODES, Recorder, linear_data, linear_model
 from tests.testing import assert_config_round_trip
 
 BAD = (2, 5)  # batches whose gradient overflows, in every epoch
+HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 
 def float16_model(**compile_kwargs):
@@ -82,7 +84,8 @@ def test_log_every_thins_the_batch_logs(capsys):
     model.fit(x, y, batch_size=1, verbose=0, shuffle=False,
               callbacks=[LossScaleMonitor(log_every=3), recorder])
     has = ["loss_scale" in logs for logs in recorder.logs]
-    assert has == [False, False, True, False, False, True, False, False]
+    # Every third batch, and the epoch's last, so that the epoch logs have the keys.
+    assert has == [False, False, True, False, False, True, False, True]
     assert recorder.logs[5]["loss_scale"] == 2.0**13
 
 
@@ -137,3 +140,67 @@ def test_config_round_trip_and_bad_arguments():
         LossScaleMonitor(on_min_scale="stop")
     with pytest.raises(ValueError, match="`log_every`"):
         LossScaleMonitor(log_every=0)
+
+
+def read_tensorboard_scalars(log_dir):
+    """{tag: [values by step]} from the event files under `log_dir`/train, read back with TensorFlow."""
+    import tensorflow as tf
+
+    scalars = {}
+    train = os.path.join(log_dir, "train")
+    for name in sorted(os.listdir(train)):
+        for record in tf.data.TFRecordDataset(os.path.join(train, name)):
+            event = tf.compat.v1.Event.FromString(record.numpy())
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name != "scalars":
+                    continue  # the model's config, written as text
+                scalars.setdefault(value.tag, []).append((event.step, float(tf.make_ndarray(value.tensor))))
+    return {tag: [v for _, v in sorted(rows)] for tag, rows in scalars.items()}
+
+
+@pytest.mark.parametrize("monitor_first", [True, False], ids=["monitor_first", "monitor_last"])
+def test_every_callback_sees_the_keys_whatever_the_order(monitor_first, tmp_path):
+    model = float16_model()
+    x, y = overflow_data()
+    csv_path, log_dir = str(tmp_path / "log.csv"), str(tmp_path / "tb")
+    others = [keras.callbacks.CSVLogger(csv_path), Recorder()]
+    if HAS_TENSORBOARD:  # tf.summary needs the tensorboard package (a test dependency)
+        others.append(keras.callbacks.TensorBoard(log_dir))
+    monitor = LossScaleMonitor()
+    callbacks = [monitor, *others] if monitor_first else [*others, monitor]
+    model.fit(x, y, batch_size=1, epochs=2, verbose=0, shuffle=False, callbacks=callbacks)
+    # The reference: the documented scale rule run by hand, two bad batches of 8 per epoch.
+    want = hand_trajectory(2)
+    scales, skipped = [want[7][0], want[15][0]], [want[7][1], want[15][1]]
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    assert [float(r["loss_scale"]) for r in rows] == scales == [2.0**13, 2.0**11]
+    assert [int(float(r["skipped_steps"])) for r in rows] == skipped
+    assert [float(r["overflow_rate"]) for r in rows] == [2 / 8, 2 / 8]
+    if HAS_TENSORBOARD:
+        board = read_tensorboard_scalars(log_dir)
+        assert board["epoch_loss_scale"] == scales
+        assert board["epoch_skipped_steps"] == skipped
+        assert board["epoch_overflow_rate"] == [0.25, 0.25]
+    # Batch logs of a callback listed before the monitor have them too.
+    recorder = others[1]
+    assert [(logs["loss_scale"], logs["skipped_steps"]) for logs in recorder.logs] == want
+    assert type(model.train_function).__name__ != "_LoggingStep"  # restored after fit
+
+
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="tf.summary needs the tensorboard package")
+def test_tensorboard_is_installed_for_the_order_test():
+    """Marks, in the test report, whether the TensorBoard half of the order test ran."""
+    assert HAS_TENSORBOARD
+
+
+def test_train_function_is_restored_after_a_raise():
+    model = linear_model()
+    x, y = linear_data(6, bad=[2])
+    with pytest.raises(FloatingPointError):
+        model.fit(x, y, batch_size=1, verbose=0, shuffle=False,
+                  callbacks=[LossScaleMonitor(on_min_scale="raise")])
+    assert type(model.train_function).__name__ != "_LoggingStep"
+    recorder = Recorder()
+    model.fit(x[:2], y[:2], batch_size=1, verbose=0, callbacks=[recorder])  # no monitor: no keys
+    assert all("loss_scale" not in logs for logs in recorder.logs)

@@ -70,7 +70,9 @@ def test_rollback_restores_bit_identical_state(setup):
     x, y, bad = data()
     model = make(setup)
     initial = model.get_weights()
-    guard, at_bad = NaNGuard(max_rollbacks=3, lr_factor=0.5, snapshot_every=4), StateAt(BAD)
+    # rollback_after_skips=1: roll back even when the optimizer skipped the step.
+    guard = NaNGuard(max_rollbacks=3, lr_factor=0.5, snapshot_every=4, rollback_after_skips=1)
+    at_bad = StateAt(BAD)
     recorder = Recorder()
     model.fit(bad, y, batch_size=1, verbose=0, shuffle=False, callbacks=[guard, at_bad, recorder])
 
@@ -104,7 +106,7 @@ def test_schedule_rate_is_scaled_and_follows_the_restored_step():
     recorder = Recorder()
     x, y = linear_data(12, bad=[5])
     model.fit(x, y, batch_size=1, verbose=0, shuffle=False,
-              callbacks=[LearningRateWarmup(10), NaNGuard(snapshot_every=3), recorder])
+              callbacks=[LearningRateWarmup(10), NaNGuard(snapshot_every=3, rollback_after_skips=1), recorder])
     lr = model.optimizer.inner_optimizer.get_config()["learning_rate"]
     revived = keras.saving.deserialize_keras_object(lr)
     assert isinstance(revived, Scaled) and revived.factor == 0.5
@@ -135,13 +137,62 @@ def test_stops_after_max_rollbacks_naming_the_step(mode):
 
 
 def test_config_round_trip_and_bad_arguments():
-    clone = assert_config_round_trip(NaNGuard(max_rollbacks=0, lr_factor=0.25, snapshot_every=7))
+    clone = assert_config_round_trip(
+        NaNGuard(max_rollbacks=0, lr_factor=0.25, snapshot_every=7, rollback_after_skips=5)
+    )
     assert (clone.max_rollbacks, clone.lr_factor, clone.snapshot_every) == (0, 0.25, 7)
+    assert clone.rollback_after_skips == 5
     for kwargs, name in [
         (dict(max_rollbacks=-1), "max_rollbacks"),
         (dict(lr_factor=0.0), "lr_factor"),
         (dict(lr_factor=1.5), "lr_factor"),
         (dict(snapshot_every=0), "snapshot_every"),
+        (dict(rollback_after_skips=0), "rollback_after_skips"),
     ]:
         with pytest.raises((TypeError, ValueError), match=f"`{name}`"):
             NaNGuard(**kwargs)
+
+
+def wrapped_fit(bad_rows, callbacks=(), rows=None, weights=None):
+    """`kmix.wrap(Adam)` under mixed_float16 (graph mode); `bad_rows` hold x = inf."""
+    x, y, _ = data()
+    x = x.copy()
+    x[list(bad_rows)] = np.inf
+    model = make("jit-mixed_float16-wrap(Adam)", weights)
+    model.compile(optimizer=kmix.wrap(keras.optimizers.Adam(0.01)), loss="mse", jit_compile=False)
+    recorder = Recorder()
+    rows = slice(None) if rows is None else rows
+    model.fit(x[rows], y[rows], batch_size=1, verbose=0, shuffle=False, callbacks=[*callbacks, recorder])
+    return model, recorder
+
+
+def test_a_step_the_optimizer_skipped_is_not_rolled_back():
+    guard = NaNGuard(snapshot_every=4)
+    model, recorder = wrapped_fit([BAD], [guard])
+    # Reference: the same run without the guard. The skip left the weights good,
+    # so the guard must change nothing: same weights, same optimizer state, same rate.
+    reference, reference_log = wrapped_fit([BAD])
+    for got, want in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(optimizer_state(model), optimizer_state(reference)):
+        np.testing.assert_array_equal(got, want)
+    assert float(model.optimizer.learning_rate) == np.float32(0.01)
+    assert guard.rollbacks == [] and guard.skips == [BAD + 1]
+    assert int(model.optimizer.skipped_steps) == int(reference.optimizer.skipped_steps) >= 1
+    # The running loss: NaN for the rest of the epoch without the guard, finite with it.
+    assert np.isnan(reference_log.logs[-1]["loss"])
+    assert all(np.isfinite(logs["loss"]) for logs in recorder.logs[BAD + 1 :])
+
+
+def test_non_finite_losses_in_a_row_roll_back_after_rollback_after_skips():
+    guard = NaNGuard(snapshot_every=4, rollback_after_skips=3)
+    at_third = StateAt(BAD + 2)
+    model, _ = wrapped_fit(range(BAD, BAD + 3), [guard, at_third])
+    # Two skips let through, the third in a row rolls back to the snapshot of step 4.
+    assert guard.skips == [BAD + 1, BAD + 2] and guard.rollbacks == [BAD + 3]
+    reference, _ = wrapped_fit([], rows=slice(0, 4))  # the same start, the first 4 batches
+    for got, want in zip(at_third.weights, reference.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(at_third.optimizer, optimizer_state(reference)):
+        np.testing.assert_array_equal(got, want)
+    assert float(model.optimizer.learning_rate) == np.float32(0.01) * np.float32(0.5)

@@ -191,3 +191,33 @@ def test_serialization_round_trips():
     bias = np.where(RNG.random((B, T, T)) > 0.2, RNG.normal(size=(B, T, T)), -1e9).astype(np.float32)
     loaded = assert_model_round_trip(model, [QUERY, keep, bias])
     assert type(loaded.layers[-1]) is kmix.layers.MultiHeadAttention
+
+
+def test_additive_bias_as_attention_mask_raises():
+    # Keras's own layer would cast it to bool: it would keep exactly what should be masked.
+    layer = make_layer()
+    keep = _keep()
+    bias = np.where(keep, 0.0, -1e9).astype(np.float32)
+    with pytest.raises(ValueError, match=r"attention_mask.*outside \[0, 1\].*`attention_bias=`"):
+        layer(QUERY, VALUE, attention_mask=bias)
+    # What the user meant: the same values as `attention_bias`.
+    _, want = reference(layer, QUERY, VALUE, bias=bias)
+    _, got = layer(QUERY, VALUE, attention_bias=bias, return_attention_scores=True)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+    def call(mask):
+        return layer(QUERY, VALUE, attention_mask=mask)
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="attention_bias="):
+        tf.function(call)(bias)
+    assert np.isnan(tf.function(call, jit_compile=True)(bias).numpy()).all()
+    # A 0/1 float mask is the boolean mask, on every path.
+    want, _ = reference(layer, QUERY, VALUE, keep=keep)
+    for f in (call, tf.function(call), tf.function(call, jit_compile=True)):
+        np.testing.assert_allclose(f(keep.astype(np.float32)), want, atol=1e-5)
+
+
+def test_keep_mask_as_attention_bias_warns():
+    layer = make_layer()
+    with pytest.warns(UserWarning, match=r"attention_bias holding only 0 and 1.*`attention_mask=`"):
+        layer(QUERY, VALUE, attention_bias=_keep().astype(np.float32))

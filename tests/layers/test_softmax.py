@@ -208,3 +208,21 @@ def test_hand_written_mask_gives_nan_and_masked_softmax_trains_like_float32():
     fixed = train("mixed_float16", "kmix", jit_compile=True)  # and the whole step under XLA
     assert np.all(np.isfinite(fixed))
     np.testing.assert_allclose(fixed, reference, rtol=5e-3)  # ~1e-4 apart in practice
+
+
+def test_additive_bias_as_mask_raises_and_keep_mask_as_bias_warns():
+    x = np.random.default_rng(0).normal(size=(2, 3, 5)).astype(np.float32)
+    keep = np.array([True, True, False, True, False])
+    bias = np.where(keep, 0.0, -1e9).astype(np.float32)
+    with pytest.raises(ValueError, match=r"outside \[0, 1\].*`bias=` of `kmix.layers.MaskedSoftmax`"):
+        kmix.layers.Softmax()(x, mask=bias)
+    with pytest.raises(ValueError, match=r"outside \[0, 1\].*`bias=` instead"):
+        kmix.layers.MaskedSoftmax()(x, mask=bias)
+    with pytest.warns(UserWarning, match="only 0 and 1"):
+        kmix.layers.MaskedSoftmax()(x, bias=keep.astype(np.float32))
+    # Given the right way, mask and bias agree with the float64 softmax over the kept positions.
+    e = np.exp(x[..., keep].astype(np.float64) - x[..., keep].max(-1, keepdims=True))
+    want = np.zeros(x.shape)
+    want[..., keep] = e / e.sum(-1, keepdims=True)
+    for got in (kmix.layers.MaskedSoftmax()(x, bias=bias), kmix.layers.Softmax()(x, mask=keep.astype(np.float32))):
+        np.testing.assert_allclose(got, want, atol=1e-6)

@@ -6,6 +6,7 @@ none of the `where` machinery of the code under test.
 """
 
 import itertools
+import warnings
 
 import keras
 import numpy as np
@@ -309,3 +310,66 @@ def test_axis_errors():
 def test_symbolic_input_points_to_the_layer():
     with pytest.raises(TypeError, match="kmix.layers.MaskedSoftmax"):
         kmix.ops.masked_softmax(keras.Input((3,)))
+
+
+# ------------------------------------------------------------------ a bias given as `mask`
+def _bias_and_keep():
+    keep = RNG.random(SHAPE) > 0.4
+    keep[1, 2] = False
+    return keep, np.where(keep, 0.0, -1e9)
+
+
+@pytest.mark.parametrize("kind", ["-1e9", "-inf", "float16 -1e9 (-inf)", "0/2"])
+def test_additive_bias_as_mask_raises_pointing_to_bias(kind):
+    keep, bias = _bias_and_keep()
+    mask = {
+        "-1e9": bias,
+        "-inf": np.where(keep, 0.0, -np.inf),
+        "float16 -1e9 (-inf)": tf.cast(bias, tf.float16),
+        "0/2": keep * 2.0,
+    }[kind]
+    x = _logits("plain")
+    with pytest.raises(ValueError, match=r"outside \[0, 1\].*pass it as `bias=`"):
+        kmix.ops.masked_softmax(x, mask=mask)
+    with pytest.raises(ValueError, match="additive bias"):
+        kmix.ops.masked_log_softmax(x, mask=mask)
+    # What the user meant: the same values as `bias` equal the float64 reference.
+    if kind != "0/2":
+        want, _ = reference(x, mask=keep)
+        np.testing.assert_allclose(kmix.ops.masked_softmax(x, bias=mask, dtype="float64"), want, atol=1e-12)
+
+
+def test_bias_as_mask_in_a_graph_raises_and_under_xla_gives_nan():
+    keep, bias = _bias_and_keep()
+    x = _logits("plain").astype(np.float32)
+
+    def fn(logits, mask):
+        return kmix.ops.masked_softmax(logits, mask=mask)
+
+    graph, xla = tf.function(fn), tf.function(fn, jit_compile=True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"outside \[0, 1\].*bias="):
+        graph(x, bias.astype(np.float32))
+    assert np.isnan(xla(x, bias.astype(np.float32)).numpy()).all()  # XLA drops assertions
+    # A 0/1 float mask passes the check on every path and equals the reference.
+    want, _ = reference(x, mask=keep)
+    for f in (graph, xla):
+        np.testing.assert_allclose(f(x, keep.astype(np.float32)), want, atol=1e-6)
+    # A constant mask is checked while tracing: the ValueError of eager mode.
+    with pytest.raises(ValueError, match="bias="):
+        tf.function(lambda logits: fn(logits, tf.constant(bias)))(x)
+
+
+def test_keep_mask_as_bias_warns_pointing_to_mask():
+    keep, bias = _bias_and_keep()
+    x = _logits("plain")
+    with pytest.warns(UserWarning, match=r"only 0 and 1.*`mask=`"):
+        out = kmix.ops.masked_softmax(x, bias=keep.astype(np.float32), dtype="float64")
+    # It masks nothing: it is a bias of +1 on the kept positions.
+    want, _ = reference(x, bias=keep.astype(np.float64))
+    np.testing.assert_allclose(out, want, atol=1e-12)
+    with pytest.warns(UserWarning, match="only 0 and 1"):
+        tf.function(lambda logits: kmix.ops.masked_softmax(logits, bias=tf.constant(keep, tf.float32)))(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kmix.ops.masked_softmax(x, bias=bias)  # a real bias: no warning
+        kmix.ops.masked_softmax(x, bias=np.zeros(SHAPE))  # all zeros: nothing to say
