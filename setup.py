@@ -27,7 +27,9 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest>=7", "absl-py", "tensorboard"],  # tensorboard: the TensorBoard callback test
+        # tensorboard: the TensorBoard callback test; keras-hub: autocast on real backbones
+        # (built from constructor arguments: no presets, no downloads).
+        "test": ["pytest>=7", "absl-py", "tensorboard", "keras-hub>=0.20"],
     },
     entry_points={"console_scripts": ["kmix=kmix.__main__:main"]},
     classifiers=[
