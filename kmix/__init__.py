@@ -7,7 +7,7 @@
 
 __version__ = "0.1.0"
 
-from kmix import callbacks, layers, ops, schedules  # noqa: E402
+from kmix import callbacks, distribute, layers, ops, schedules  # noqa: E402
 from kmix.optimizers import LossScaleOptimizer, wrap  # noqa: E402
 from kmix.policy import (  # noqa: E402
     Policy,
@@ -25,6 +25,7 @@ __all__ = [
     "active_policy",
     "autocast",
     "callbacks",
+    "distribute",
     "layers",
     "memory_report",
     "ops",
