@@ -78,18 +78,22 @@ def enable_multi_worker_fit():
     fault, for every model, with versions that differ only under
     `tf.distribute.MultiWorkerMirroredStrategy`: the first batch's shapes are
     read from the local replica, and the loss and metrics of a step are
-    averaged over all replicas, as under `MirroredStrategy`. Call it once per
-    worker process, before `fit`; calling it again does nothing.
+    averaged over all replicas, as under `MirroredStrategy`. It also makes
+    Keras's own `keras.optimizers.LossScaleOptimizer` (and subclasses that
+    keep its `apply`) skip a step when *any* replica overflowed: Keras decides
+    on the first local replica's gradients, so under several workers one
+    worker skipped while the other waited in the gradient all-reduce.
+    kmix's own optimizer needs nothing. Call it once per worker process,
+    before `fit`, in any order with creating the strategy; calling it again
+    does nothing.
 
-    Before installing anything it runs Keras's own two functions on stand-ins
-    (no cluster needed). Where the installed Keras no longer has a bug, that
-    part is left alone and a log line (logger `"kmix"`, level WARNING) says
-    so; the call can then be deleted.
+    Before replacing anything it runs Keras's two trainer functions on
+    stand-ins (no cluster, no tensor). Where the installed Keras no longer has
+    a bug, Keras's own function stays and a log line (logger `"kmix"`,
+    WARNING) says so.
 
     Returns:
-        True if at least one replacement is installed, False if the installed
-        Keras needs none (or its code changed so that kmix cannot tell; the
-        log line says which).
+        True once kmix's replacements are installed (this call or an earlier one).
 
     Example:
 
@@ -159,8 +163,7 @@ def multi_worker_fit_enabled():
     """Whether kmix's replacements for keras-team/keras#20585 are installed now.
 
     Returns:
-        True between `enable_multi_worker_fit()` (when it installed something)
-        and `disable_multi_worker_fit()`.
+        True between `enable_multi_worker_fit()` and `disable_multi_worker_fit()`.
 
     Example:
 
