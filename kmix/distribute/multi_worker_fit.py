@@ -137,7 +137,9 @@ def enable_multi_worker_fit():
 
 
 def disable_multi_worker_fit():
-    """Puts Keras's own trainer functions back (undoes `enable_multi_worker_fit`).
+    """Puts Keras's own trainer functions and `LossScaleOptimizer.apply` back.
+
+    Undoes `enable_multi_worker_fit`.
 
     Returns:
         True if something was put back, False if nothing was installed.
