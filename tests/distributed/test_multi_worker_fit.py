@@ -197,8 +197,11 @@ def _keras_lso_step_with_inf_on_replica_1(strategy):
 def test_keras_loss_scale_optimizer_skips_when_any_replica_overflows():
     if len(tf.config.list_logical_devices("CPU")) < 2:
         pytest.skip("needs the two logical CPUs tests/conftest.py sets up")
-    # One strategy for both runs: a second one in the process reuses collective keys.
-    strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    # No collective ops: every MirroredStrategy in a process starts at the same collective
+    # keys, and a key reused with another shape fails (here, or in a later test).
+    strategy = tf.distribute.MirroredStrategy(
+        ["CPU:0", "CPU:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
     try:
         kmix.distribute.enable_multi_worker_fit()
         weights, scale = _keras_lso_step_with_inf_on_replica_1(strategy)
