@@ -79,6 +79,16 @@ def set_keras_reduce_per_replica(fn):
     _keras_tf_trainer().reduce_per_replica = fn
 
 
+def model_distribute_strategy(model):
+    """The strategy a Keras model was created under, or None (Keras's `_distribute_strategy`).
+
+    Keras's `_maybe_symbolic_build` acts only when this is set; the public
+    `model.distribute_strategy` falls back to the current strategy, so it
+    cannot tell a model created outside any scope from one created inside.
+    """
+    return getattr(model, "_distribute_strategy", None)
+
+
 class _ProbeDone(Exception):
     pass
 

@@ -34,7 +34,7 @@ def _is_multi_worker(strategy):
 
 def _make_symbolic_build(keras_symbolic_build):
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        strategy = getattr(self, "_distribute_strategy", None)
+        strategy = _compat.model_distribute_strategy(self)
         if iterator is None or not _is_multi_worker(strategy):
             return keras_symbolic_build(self, iterator=iterator, data_batch=data_batch)
         # Every worker pulls one batch (the iterator's get_next is collective); only
