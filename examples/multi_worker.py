@@ -6,10 +6,9 @@ is finite on the gradients of *every* replica of *every* worker, so an overflow
 in one worker's batch skips the step on all of them, and the loss scale,
 counters and weights stay identical everywhere.
 
-Why not `model.fit`: Keras 3's `fit` fails under `MultiWorkerMirroredStrategy`
-with "Attempt to convert a value (PerReplica ...)" (keras-team/keras#20585;
-reproduced with TensorFlow 2.21 / Keras 3.15). Under `MirroredStrategy` (one
-machine, several GPUs) `fit` works; see docs/distributed.md. `--fit` tries it.
+The other route is `model.fit` with `kmix.distribute.enable_multi_worker_fit()`
+(examples/multi_worker_fit.py; Keras 3.15's `fit` needs it under this strategy,
+keras-team/keras#20585). A custom loop is for when you want the step in your hands.
 
 Run it from the repository root with kmix installed (`pip install -e .`, or
 `PYTHONPATH=.`). On several machines: start this same script once per machine, each
@@ -156,26 +155,12 @@ def train_custom_loop(strategy, args):
     return model, optimizer
 
 
-def train_fit(strategy, args):
-    """The same training through `model.fit` (fails under MWMS in Keras 3.15)."""
-    with strategy.scope():
-        model = build_model()
-        optimizer = kmix.wrap(keras.optimizers.Adam(1e-2), growth_interval=args.growth_interval)
-        model.compile(optimizer=optimizer, loss="mse")
-    dataset = strategy.distribute_datasets_from_function(
-        make_dataset_fn(args.batch_size, args.steps, args.overflow)
-    )
-    model.fit(dataset, epochs=1, steps_per_epoch=args.steps, verbose=0)
-    return model, model.optimizer
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batch-size", type=int, default=32, help="global batch size")
     parser.add_argument("--growth-interval", type=int, default=2000)
     parser.add_argument("--policy", default="mixed_float16")
-    parser.add_argument("--fit", action="store_true", help="use model.fit instead of the loop")
     parser.add_argument("--overflow", action="append", default=[], metavar="STEP:WORKER",
                         help="put an inf into WORKER's batch at STEP (repeatable)")
     parser.add_argument("--drop", action="append", type=int, default=[], metavar="STEP",
@@ -194,8 +179,7 @@ def main(argv=None):
     keras.utils.set_random_seed(0)  # the same initial weights on every worker
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     print(f"worker {worker_index()}: {strategy.num_replicas_in_sync} replicas in sync", flush=True)
-    train = train_fit if args.fit else train_custom_loop
-    model, optimizer = train(strategy, args)
+    model, optimizer = train_custom_loop(strategy, args)
     if args.save:
         os.makedirs(args.save, exist_ok=True)
         path = os.path.join(args.save, f"worker{worker_index()}.npz")

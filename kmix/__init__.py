@@ -8,7 +8,7 @@
 
 __version__ = "0.1.0"
 
-from kmix import callbacks, layers, ops, schedules  # noqa: E402
+from kmix import callbacks, distribute, layers, ops, schedules  # noqa: E402
 from kmix.diagnose import Diagnosis, diagnose  # noqa: E402
 from kmix.optimizers import LossScaleOptimizer, wrap  # noqa: E402
 from kmix.policy import (  # noqa: E402
@@ -30,6 +30,7 @@ __all__ = [
     "autocast",
     "callbacks",
     "diagnose",
+    "distribute",
     "layers",
     "memory_report",
     "ops",

@@ -91,3 +91,127 @@ def node_inputs(operation, node_index):
     wrong for shared layers and operations; the nodes are private.
     """
     return list(operation._inbound_nodes[node_index].input_tensors)
+# ------------------------------------------------------------------------------------------
+# `model.fit` under `MultiWorkerMirroredStrategy` (keras-team/keras#20585), used only by
+# kmix/distribute/multi_worker_fit.py. Two functions of Keras's TensorFlow trainer fail
+# under that strategy and are not reachable through any public name: the method
+# `TensorFlowTrainer._maybe_symbolic_build` and the module function `reduce_per_replica`
+# (looked up as a module global each time a step function is traced). kmix replaces
+# them while the user opts in, and puts Keras's own functions back on `disable`.
+
+def _keras_tf_trainer():
+    from keras.src.backend.tensorflow import trainer
+
+    return trainer
+
+
+def keras_symbolic_build():
+    """Keras's `TensorFlowTrainer._maybe_symbolic_build` as it is installed now."""
+    return _keras_tf_trainer().TensorFlowTrainer._maybe_symbolic_build
+
+
+def set_keras_symbolic_build(fn):
+    """Installs `fn` as `TensorFlowTrainer._maybe_symbolic_build` (every Keras model)."""
+    _keras_tf_trainer().TensorFlowTrainer._maybe_symbolic_build = fn
+
+
+def keras_reduce_per_replica():
+    """Keras's `reduce_per_replica(values, strategy, reduction)` as it is installed now."""
+    return _keras_tf_trainer().reduce_per_replica
+
+
+def set_keras_reduce_per_replica(fn):
+    """Installs `fn` as the trainer module's `reduce_per_replica` (read at trace time)."""
+    _keras_tf_trainer().reduce_per_replica = fn
+
+
+def model_distribute_strategy(model):
+    """The strategy a Keras model was created under, or None (Keras's `_distribute_strategy`).
+
+    Keras's `_maybe_symbolic_build` acts only when this is set; the public
+    `model.distribute_strategy` falls back to the current strategy, so it
+    cannot tell a model created outside any scope from one created inside.
+    """
+    return getattr(model, "_distribute_strategy", None)
+
+
+class _ProbeDone(Exception):
+    pass
+
+
+def keras_multi_worker_bugs(symbolic_build, reduce_per_replica):
+    """Runs Keras's two functions on stand-ins and reports whether each still has its bug.
+
+    No cluster and no tensor are needed (so this may run before a
+    `MultiWorkerMirroredStrategy` is created, which must happen before
+    TensorFlow's runtime starts): a stand-in strategy records what Keras asks of it.
+    `symbolic_build` has the bug when it passes a whole nested batch to
+    `strategy.reduce` (MultiWorkerMirroredStrategy's reduce does not map over
+    structures); `reduce_per_replica` has it when it reduces a scalar with
+    `axis=0` under a multi-worker strategy. The stand-in for the multi-worker
+    strategy answers Keras's private `extended._in_multi_worker_mode()`.
+
+    Returns:
+        `{"symbolic_build": b, "reduce_per_replica": b}` with `b` True (bug
+        present), False (fixed) or None (Keras's code changed so that the probe
+        cannot tell).
+    """
+    import types
+
+    class Batch(tf.distribute.DistributedValues):
+        pass
+
+    class Recorder:
+        def __init__(self):
+            self.values = []
+
+        def reduce(self, reduce_op, value, axis=None):
+            self.values.append(value)
+            raise _ProbeDone
+
+        def scope(self):
+            import contextlib
+
+            return contextlib.nullcontext()
+
+        def experimental_local_results(self, value):
+            raise _ProbeDone
+
+    recorder = Recorder()
+    fake_model = types.SimpleNamespace(
+        _distribute_strategy=recorder,
+        distribute_strategy=recorder,
+        _symbolic_build=lambda data_batch=None: None,
+    )
+    result = {}
+    try:
+        symbolic_build(fake_model, iterator=[(0, 0, iter([(Batch(), Batch())]))])
+        result["symbolic_build"] = False if not recorder.values else None
+    except _ProbeDone:
+        result["symbolic_build"] = any(isinstance(v, (tuple, list, dict)) for v in recorder.values)
+    except Exception:  # noqa: BLE001 - any other failure means the code changed shape
+        result["symbolic_build"] = None
+
+    class MultiWorker(tf.distribute.MultiWorkerMirroredStrategy):
+        extended = types.SimpleNamespace(_in_multi_worker_mode=lambda: True)
+
+        def __init__(self):  # no cluster: only `reduce` is called
+            self.axes = []
+
+        def reduce(self, reduce_op, value, axis=None):
+            self.axes.append((value.shape.rank, axis))
+            return value
+
+    class Scalar:  # stands for a scalar loss; no tensor, so TensorFlow's runtime stays
+        shape = tf.TensorShape([])  # unstarted (MultiWorkerMirroredStrategy needs that)
+
+    strategy = MultiWorker()
+    try:
+        reduce_per_replica({"loss": Scalar()}, strategy, "auto")
+        if not strategy.axes:
+            result["reduce_per_replica"] = None
+        else:
+            result["reduce_per_replica"] = any(rank == 0 and axis == 0 for rank, axis in strategy.axes)
+    except Exception:  # noqa: BLE001
+        result["reduce_per_replica"] = None
+    return result

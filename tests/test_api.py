@@ -13,7 +13,7 @@ import kmix
 # Keras's layer/callback protocol, documented by Keras itself.
 KERAS_PROTOCOL = {"call", "build", "compute_output_shape", "compute_output_spec", "get_config",
                   "from_config", "quantized_call"}
-SUBPACKAGES = ["kmix.callbacks", "kmix.layers", "kmix.ops", "kmix.schedules", "kmix.policy", "kmix.optimizers"]
+SUBPACKAGES = ["kmix.callbacks", "kmix.distribute", "kmix.layers", "kmix.ops", "kmix.schedules", "kmix.policy", "kmix.optimizers"]
 API_MD = pathlib.Path(__file__).resolve().parents[1] / "docs" / "api.md"
 
 

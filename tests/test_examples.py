@@ -20,6 +20,7 @@ RUNS = {
     "image_classifier": ["--steps", "60"],
     "custom_training_loop": ["--steps", "30", "--bad-batch", "5"],
     "mirrored_strategy": ["--steps", "30", "--bad-batch", "3"],
+    "multi_worker_fit": ["--epochs", "2", "--batches", "10", "--bad-batch", "3", "--timeout", "200"],
 }
 TIMEOUT = 240
 
@@ -102,3 +103,14 @@ def test_mirrored_strategy(outputs):
     assert result["replicas"] == (gpus or 2)  # two logical CPUs without a GPU
     assert result["replicas_agree"] is True
     assert result["skipped_steps"] == 1 and result["loss_scale"] == 2.0**14
+
+
+def test_multi_worker_fit(outputs):
+    """Two MultiWorkerMirroredStrategy workers on 127.0.0.1 (started, and killed by pid, by the example)."""
+    result, out = result_of(outputs, "multi_worker_fit")
+    assert_learned(result, 0.8)
+    assert result["replicas"] == 2 and result["workers_agree"] is True
+    checksums = [line.split("checksum=")[1].split()[0] for line in out.splitlines() if "checksum=" in line]
+    assert len(checksums) == 2 and checksums[0] == checksums[1]
+    assert result["skipped_steps"] == 2  # the inf batch, once per epoch, on both workers
+    assert result["loss_scale"] == 2.0**13

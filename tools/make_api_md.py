@@ -10,10 +10,11 @@ import pathlib
 import kmix
 
 SECTIONS = [
-    ("kmix", "Top level", [n for n in kmix.__all__ if n not in ("__version__", "callbacks", "layers", "ops", "schedules")]),
+    ("kmix", "Top level", [n for n in kmix.__all__ if n not in ("__version__", "callbacks", "distribute", "layers", "ops", "schedules")]),
     ("kmix.layers", "Layers", None),
     ("kmix.ops", "Ops", None),
     ("kmix.callbacks", "Callbacks", None),
+    ("kmix.distribute", "Distribution", None),
     ("kmix.schedules", "Schedules", None),
     ("kmix.policy", "Policy helpers", None),
 ]

@@ -2,13 +2,13 @@
 
 An overflow in one worker's batch must skip the step on both workers: the
 loss scale, the counters and the weights stay identical across workers, and
-equal a run in which that step was left out on every worker.
+equal a run in which that step was left out on every worker. `model.fit` under
+the same strategy is tested in test_multi_worker_fit.py.
 """
 
 import json
 
 import numpy as np
-import pytest
 
 from tests.fault.processes import REPO, Worker, free_ports, report, run_all, worker_env
 
@@ -16,7 +16,6 @@ SCRIPT = REPO / "examples" / "multi_worker.py"
 STEPS = 12
 OVERFLOWS = [(3, 1), (7, 0)]  # (step, worker): each overflow is in one worker's data only
 TIMEOUT = 180  # seconds for a pair of workers; a pair takes 15-40 s on two CPU cores
-KNOWN_FIT_ERROR = "Attempt to convert a value (PerReplica"
 
 
 def run_pair(tmp_path, name, *args):
@@ -77,16 +76,3 @@ def test_overflow_on_one_worker_skips_the_step_on_both(tmp_path):
         # Bitwise: the skipped run's scale ends 4x smaller, but scaling by a power of two
         # and unscaling in float32 is exact while no float16 gradient is subnormal.
         np.testing.assert_array_equal(states[0][key], reference[key], err_msg=key)
-
-
-def test_fit_under_multi_worker_strategy(tmp_path):
-    """`model.fit` under MWMS: covered once Keras fixes keras-team/keras#20585."""
-    workers, codes, states = run_pair(tmp_path, "fit", "--fit", *overflow_args())
-    outputs = [w.output(tail=None) for w in workers]
-    if codes != [0, 0] and all(KNOWN_FIT_ERROR in o for o in outputs):
-        pytest.skip(
-            "keras-team/keras#20585: Keras's fit fails under MultiWorkerMirroredStrategy "
-            f"({KNOWN_FIT_ERROR} ...) to a Tensor); the custom loop covers multi-worker training"
-        )
-    assert codes == [0, 0], report(workers, codes)
-    assert_skipped_everywhere(states)

@@ -1,0 +1,72 @@
+"""Keras's own `LossScaleOptimizer` under a strategy: one overflow decision for all replicas.
+
+Keras 3.15's `LossScaleOptimizer.apply` (TensorFlow backend) decides whether a
+step is finite in a merge call, from the gradients of the *first local
+replica only* (its comment assumes the gradients are already all-reduced; in
+Keras 3 they are not: the inner optimizer reduces them later). So:
+
+- under `MirroredStrategy`, an inf on replica 1 alone is not seen: the step is
+  applied and the summed inf reaches the weights;
+- under `MultiWorkerMirroredStrategy`, the worker with the inf skips and the
+  other applies, entering the gradient all-reduce alone: both hang.
+
+The wrapper below all-reduces a "some gradient is non-finite" flag over every
+replica first and, if any replica overflowed, makes every replica's gradients
+non-finite, so Keras's own code takes the same (skip) branch everywhere.
+Finite steps pass through unchanged (`tf.where` keeps every bit). kmix's own
+`LossScaleOptimizer` overrides `apply` and all-reduces its flags itself.
+"""
+
+import keras
+import tensorflow as tf
+
+_state = {"keras_apply": None}
+
+
+def _any_nonfinite(grads):
+    flags = [
+        tf.reduce_any(tf.logical_not(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g)))
+        for g in grads
+        if g is not None
+    ]
+    if not flags:
+        return tf.constant(0.0)
+    return tf.cast(tf.reduce_any(tf.stack(flags)), tf.float32)
+
+
+def _poison(g, overflow):
+    if g is None:
+        return None
+    values = g.values if isinstance(g, tf.IndexedSlices) else g
+    values = tf.where(overflow, tf.constant(float("nan"), values.dtype), values)
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(values, g.indices, g.dense_shape)
+    return values
+
+
+def _make_apply(keras_apply):
+    def apply(self, grads, trainable_variables=None):
+        ctx = tf.distribute.get_replica_context()
+        if ctx is not None and ctx.num_replicas_in_sync > 1:
+            grads = list(grads)
+            overflow = ctx.all_reduce(tf.distribute.ReduceOp.SUM, _any_nonfinite(grads)) > 0
+            grads = [_poison(g, overflow) for g in grads]
+        return keras_apply(self, grads, trainable_variables)
+
+    apply.__doc__ = keras_apply.__doc__
+    apply.kmix_replaces = keras_apply
+    return apply
+
+
+def install():
+    """Wraps `keras.optimizers.LossScaleOptimizer.apply` (and so its subclasses'); idempotent."""
+    if _state["keras_apply"] is None:
+        _state["keras_apply"] = keras.optimizers.LossScaleOptimizer.apply
+        keras.optimizers.LossScaleOptimizer.apply = _make_apply(_state["keras_apply"])
+
+
+def uninstall():
+    """Puts Keras's own `apply` back."""
+    if _state["keras_apply"] is not None:
+        keras.optimizers.LossScaleOptimizer.apply = _state["keras_apply"]
+        _state["keras_apply"] = None

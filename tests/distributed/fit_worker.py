@@ -1,0 +1,171 @@
+"""The program tests/distributed/test_multi_worker_fit.py runs: `model.fit` under a strategy.
+
+`--strategy multi_worker`: one of two `MultiWorkerMirroredStrategy` workers
+(its `TF_CONFIG` says which), with `kmix.distribute.enable_multi_worker_fit()`.
+`--strategy mirrored`: the reference, one process with `MirroredStrategy` over
+two logical CPUs. Both see the same global batches: a `tf.data.Dataset` of
+batches of `GLOBAL_BATCH` rows, split in halves (a worker's or a replica's).
+
+`--scenario all` trains four models one after the other and writes
+`<out>/<strategy><index>.npz`:
+- `kmix_*`: mixed_float16, `kmix.wrap(Adam)`, `validation_data` (arrays), a
+  last partial batch, an inf in worker 1's half of one batch; then `evaluate`
+  and `predict` (with a partial last batch).
+- `keras_*`, `subclass_*`: the same fit with Keras's own `LossScaleOptimizer`
+  and with a user subclass of it.
+- `backup_*`: `EPOCHS` epochs with `BackupAndRestore(save_freq="epoch")`.
+`--scenario backup` trains only the last one; `--die-at EPOCH:BATCH` makes
+worker 1 SIGKILL itself after that batch (its backup is the end of the epoch
+before). `steps_per_execution` stays 1: Keras 3.15 fails with more under any
+strategy (keras-team/keras#19246), kmix or not.
+"""
+
+import argparse
+import faulthandler
+import json
+import os
+import signal
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+FEATURES, GLOBAL_BATCH = 6, 8
+TRAIN_ROWS, VAL_ROWS, PREDICT_ROWS = 44, 20, 20  # 44 = 5 full batches + a partial one of 4
+OVERFLOW_ROW = 2 * GLOBAL_BATCH + GLOBAL_BATCH // 2 + 1  # batch 2, in the second half (worker 1)
+EPOCHS = 3
+
+
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(TRAIN_ROWS + VAL_ROWS + PREDICT_ROWS, FEATURES)).astype("float32")
+    y = (x[:, :3].sum(axis=1, keepdims=True) - x[:, 3:4]).astype("float32")
+    train = (x[:TRAIN_ROWS].copy(), y[:TRAIN_ROWS])
+    train[0][OVERFLOW_ROW, 0] = np.inf
+    val = (x[TRAIN_ROWS:TRAIN_ROWS + VAL_ROWS], y[TRAIN_ROWS:TRAIN_ROWS + VAL_ROWS])
+    return train, val, x[TRAIN_ROWS + VAL_ROWS:]
+
+
+def batches(x, y=None):
+    tensors = x if y is None else (x, y)
+    return tf.data.Dataset.from_tensor_slices(tensors).batch(GLOBAL_BATCH)
+
+
+def build_model(keras):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(1, dtype="float32"),
+        ]
+    )
+
+
+def optimizer_state(keras, prefix, model, optimizer):
+    state = {f"{prefix}_w{i}": np.asarray(w) for i, w in enumerate(model.get_weights())}
+    for name in ("iterations", "dynamic_scale", "skipped_steps", "step_counter"):
+        if hasattr(optimizer, name):  # Keras's own LossScaleOptimizer has no skipped_steps
+            state[f"{prefix}_{name}"] = np.asarray(keras.ops.convert_to_numpy(getattr(optimizer, name)))
+    return state
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", choices=["multi_worker", "mirrored"], required=True)
+    parser.add_argument("--scenario", choices=["all", "backup"], default="all")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--backup-root")
+    parser.add_argument("--die-at", default="")
+    args = parser.parse_args()
+    if os.environ.get("STACKS_AFTER"):  # a hang shows where it hangs in the worker's log
+        faulthandler.dump_traceback_later(float(os.environ["STACKS_AFTER"]), exit=False)
+
+    if args.strategy == "mirrored":
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import keras
+
+    import kmix
+
+    tf.config.experimental.enable_op_determinism()
+    keras.config.set_dtype_policy("mixed_float16")
+    # Also in the reference: it makes Keras's own LossScaleOptimizer decide on all replicas.
+    kmix.distribute.enable_multi_worker_fit()
+    if args.strategy == "multi_worker":
+        index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    else:
+        index = 0
+        strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
+    assert strategy.num_replicas_in_sync == 2, strategy.num_replicas_in_sync
+    (x, y), (xv, yv), xp = data()
+    state = {}
+
+    class SubclassedLSO(keras.optimizers.LossScaleOptimizer):
+        """A user's subclass of Keras's class, with another default initial scale."""
+
+        def __init__(self, inner_optimizer, **kwargs):
+            kwargs.setdefault("initial_scale", 2.0**8)
+            super().__init__(inner_optimizer, **kwargs)
+
+    def fit(prefix, make_optimizer, **kwargs):
+        with strategy.scope():
+            model = build_model(keras)
+            model.compile(
+                optimizer=make_optimizer(keras.optimizers.Adam(1e-2)),
+                loss="mse",
+            )
+        history = model.fit(batches(x, y), epochs=1, verbose=0, **kwargs)
+        state.update(optimizer_state(keras, prefix, model, model.optimizer))
+        state[f"{prefix}_loss"] = np.asarray(history.history["loss"])
+        if "validation_data" in kwargs:
+            state[f"{prefix}_val_loss"] = np.asarray(history.history["val_loss"])
+        print(f"{args.strategy} {index}: {prefix} done", flush=True)
+        return model
+
+    if args.scenario == "all":
+        # initial_scale 2^10: the injected inf is the only overflow (2^15 overflows once more).
+        model = fit("kmix", lambda opt: kmix.wrap(opt, initial_scale=2.0**10), validation_data=(xv, yv))
+        state["kmix_evaluate"] = np.asarray(model.evaluate(batches(xv, yv), verbose=0))
+        print(f"{args.strategy} {index}: evaluate done", flush=True)
+        state["kmix_predict"] = model.predict(batches(xp), verbose=0)
+        print(f"{args.strategy} {index}: predict done", flush=True)
+        state["kmix_direct"] = keras.ops.convert_to_numpy(model(xp))
+        print(f"{args.strategy} {index}: direct call done", flush=True)
+        fit("keras", lambda opt: keras.optimizers.LossScaleOptimizer(opt, initial_scale=2.0**10))
+        fit("subclass", SubclassedLSO)
+
+    die_epoch, die_batch = (int(v) for v in args.die_at.split(":")) if args.die_at else (-1, -1)
+    if index != 1:  # only worker 1 dies; worker 0 then waits in a collective until killed
+        die_epoch = die_batch = -1
+
+    class Die(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+            print(f"{args.strategy} {index}: epoch {epoch} begins", flush=True)
+
+        def on_train_batch_end(self, batch, logs=None):
+            if (self.epoch, batch) == (die_epoch, die_batch):
+                print(f"{args.strategy} {index}: dying at {self.epoch}:{batch}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    with strategy.scope():
+        model = build_model(keras)
+        model.compile(optimizer=kmix.wrap(keras.optimizers.Adam(1e-2)), loss="mse")
+    callbacks = [Die()]
+    if args.backup_root:
+        # One directory per worker: each writes its own copy of the (identical) state.
+        backup = os.path.join(args.backup_root, f"worker{index}")
+        callbacks.insert(0, keras.callbacks.BackupAndRestore(backup, save_freq="epoch"))
+    model.fit(batches(x, y), epochs=EPOCHS, verbose=0, callbacks=callbacks)
+    state.update(optimizer_state(keras, "backup", model, model.optimizer))
+
+    os.makedirs(args.out, exist_ok=True)
+    np.savez(os.path.join(args.out, f"{args.strategy}{index}.npz"), **state)
+    print(f"{args.strategy} {index}: wrote results", flush=True)
+
+
+if __name__ == "__main__":
+    main()
