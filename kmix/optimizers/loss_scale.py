@@ -4,7 +4,11 @@ import keras
 import tensorflow as tf
 
 from kmix import _checks as checks
-from kmix._compat import no_automatic_dependency_tracking, strategy_supports_no_merge_call
+from kmix._compat import (
+    no_automatic_dependency_tracking,
+    optimizer_variable_key,
+    strategy_supports_no_merge_call,
+)
 from kmix.optimizers import accumulation
 from kmix.optimizers import master_weights as mw
 
@@ -55,6 +59,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             `False` updates the variables directly; `"auto"` (the default)
             is `True` unless the active policy has half parameters and asks
             for none (kmix's `"O3"`, Keras's `"float16"` / `"bfloat16"`).
+            `"kahan"` keeps, instead of a float32 copy (4 bytes a parameter),
+            a half-precision buffer with the rounding error of each update (2
+            bytes): the inner optimizer updates the half variables directly
+            (its slots take their dtype) and every write to them is a
+            compensated sum. Meant for bfloat16 parameters.
         accumulation_steps: micro-batches per optimizer step, an int >= 1. Their
             unscaled float32 gradients are summed and their mean applied once;
             one overflow discards the whole step (see `flush` for the
@@ -118,9 +127,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
         if master_weights == "auto":
             master_weights = mw.auto_master_weights()
-        elif not isinstance(master_weights, bool):
+        elif not isinstance(master_weights, bool) and master_weights != "kahan":
             raise ValueError(
-                "`master_weights` must be 'auto', True or False. "
+                "`master_weights` must be 'auto', True, False or 'kahan'. "
                 f"Received: master_weights={master_weights!r}"
             )
         accumulation_steps = checks.integer("accumulation_steps", accumulation_steps)
@@ -160,7 +169,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._variable_paths = [_variable_path(v) for v in var_list]
         self._model_variables = var_list
         self._masters = {}
-        if self.master_weights and any(_dtype(v) in _HALF for v in var_list):
+        self._kahan = {}
+        if self.master_weights == "kahan":
+            self._kahan = mw.create_compensation(self, var_list)
+        elif self.master_weights and any(_dtype(v) in _HALF for v in var_list):
             if self.inner_optimizer.built:
                 raise ValueError(
                     "Master weights need an inner optimizer that is not built yet, so that it "
@@ -350,6 +362,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         tf.cond(finite, apply_fn, lambda: None)
 
     def _apply_inner(self, unscaled, variables):
+        if self._kahan:
+            buffers = {
+                optimizer_variable_key(self.inner_optimizer, self._model_variables[i]): (self._model_variables[i], c)
+                for i, c in self._kahan.items()
+            }
+            with mw.kahan_updates(self.inner_optimizer, buffers):
+                self.inner_optimizer.apply(unscaled, variables)
+            return
         if not self._masters:
             self.inner_optimizer.apply(unscaled, variables)
             return

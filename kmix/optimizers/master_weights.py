@@ -77,3 +77,102 @@ def copy_to_model(masters, model_variables, indices):
         if i in masters:
             v = model_variables[i]
             v.assign(tf.cast(tf.convert_to_tensor(masters[i]), v.dtype))
+
+
+# --------------------------------------------------------------------- Kahan
+# `master_weights="kahan"`: instead of a float32 copy (4 bytes a parameter), a
+# half-precision buffer per half variable keeps what rounding took from each
+# update (2 bytes a parameter), as optimi and torchao do for bfloat16:
+#
+#     y = update + c          (float32)
+#     new = half(p + y)
+#     c = half(y - (new - p)) (the part of y that `new` could not hold)
+#
+# The inner optimizer updates the half variables themselves (its slots take
+# their dtype); its writes to them go through `compensated_add`.
+
+
+def create_compensation(optimizer, var_list):
+    """Creates a zero compensation buffer, of the variable's dtype, for each half variable.
+
+    Returns:
+        `{index in var_list: compensation variable}`.
+    """
+    buffers = {}
+    for i, v in enumerate(var_list):
+        dtype = keras.backend.standardize_dtype(v.dtype)
+        if dtype not in _HALF:
+            continue
+        name = (getattr(v, "path", None) or v.name).replace("/", "_").replace(":", "_")
+        buffers[i] = optimizer.add_variable(
+            shape=tuple(v.shape), dtype=dtype, initializer="zeros", aggregation="none", name=f"kahan_{name}"
+        )
+    return buffers
+
+
+def compensated_add(variable, compensation, update):
+    """Adds `update` to the half `variable`, carrying its rounding error in `compensation`."""
+    if isinstance(update, tf.IndexedSlices):
+        update = tf.convert_to_tensor(update)
+    old = tf.cast(tf.convert_to_tensor(variable), tf.float32)
+    y = tf.cast(update, tf.float32) + tf.cast(tf.convert_to_tensor(compensation), tf.float32)
+    new = tf.cast(old + y, variable.dtype)
+    # new - old is exact in float32 (two half values), so the error is y's remainder.
+    compensation.assign(tf.cast(y - (tf.cast(new, tf.float32) - old), compensation.dtype))
+    variable.assign(new)
+
+
+class kahan_updates:
+    """Routes an optimizer's writes to the variables in `buffers` through `compensated_add`.
+
+    Inside the block, `optimizer.assign_add(v, x)`, `assign_sub(v, x)` and
+    `assign(v, x)` (Keras's hooks, which every built-in `update_step` uses to
+    write a variable) become compensated updates for the half variables that
+    have a buffer; writes to anything else (slots) are left alone.
+
+    Args:
+        optimizer: the inner Keras optimizer.
+        buffers: `{variable key: (variable, compensation)}` with keys from
+            `kmix._compat.optimizer_variable_key`.
+    """
+
+    def __init__(self, optimizer, buffers):
+        self.optimizer = optimizer
+        self.buffers = buffers
+
+    def __enter__(self):
+        from kmix._compat import optimizer_variable_key
+
+        opt, buffers = self.optimizer, self.buffers
+        originals = {name: getattr(opt, name) for name in ("assign", "assign_add", "assign_sub")}
+        self._originals = originals
+
+        def lookup(variable):
+            try:
+                return buffers.get(optimizer_variable_key(opt, variable))
+            except (AttributeError, TypeError):
+                return None
+
+        def make(name, sign):
+            def hook(variable, value):
+                found = lookup(variable)
+                if found is None:
+                    return originals[name](variable, value)
+                if name == "assign":
+                    value = tf.cast(value, tf.float32) - tf.cast(tf.convert_to_tensor(found[0]), tf.float32)
+                elif sign < 0:
+                    value = -(tf.convert_to_tensor(value) if isinstance(value, tf.IndexedSlices) else value)
+                # `variable` may be a per-replica component under tf.distribute: write that one.
+                compensated_add(variable, found[1], value)
+
+            return hook
+
+        opt.assign = make("assign", 1)
+        opt.assign_add = make("assign_add", 1)
+        opt.assign_sub = make("assign_sub", -1)
+        return self
+
+    def __exit__(self, *exc):
+        for name in self._originals:
+            delattr(self.optimizer, name)
+        return False
