@@ -63,7 +63,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             a half-precision buffer with the rounding error of each update (2
             bytes): the inner optimizer updates the half variables directly
             (its slots take their dtype) and every write to them is a
-            compensated sum. Meant for bfloat16 parameters.
+            compensated sum. Meant for bfloat16 parameters; Adam-like
+            optimizers need `beta_2 <= 0.99` (0.999 is 1.0 in bfloat16).
         accumulation_steps: micro-batches per optimizer step, an int >= 1. Their
             unscaled float32 gradients are summed and their mean applied once;
             one overflow discards the whole step (see `flush` for the
@@ -171,6 +172,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._masters = {}
         self._kahan = {}
         if self.master_weights == "kahan":
+            mw.check_kahan_inner(self.inner_optimizer, var_list)
             self._kahan = mw.create_compensation(self, var_list)
         elif self.master_weights and any(_dtype(v) in _HALF for v in var_list):
             if self.inner_optimizer.built:

@@ -92,6 +92,27 @@ def copy_to_model(masters, model_variables, indices):
 # their dtype); its writes to them go through `compensated_add`.
 
 
+def check_kahan_inner(inner, var_list):
+    """Refuses an inner optimizer whose `beta_2` is 1.0 in a half parameter's dtype.
+
+    Under `"kahan"` the inner optimizer computes in the parameters' dtype;
+    Adam's bias correction `1 - beta_2**t` is then 0 for `beta_2=0.999`
+    (1.0 in bfloat16) and the weights never move.
+    """
+    beta_2 = getattr(inner, "beta_2", None)
+    if not isinstance(beta_2, float):
+        return
+    for v in var_list:
+        dtype = keras.backend.standardize_dtype(v.dtype)
+        if dtype in _HALF and float(tf.cast(tf.constant(beta_2, tf.float32), dtype)) == 1.0:
+            raise ValueError(
+                f"master_weights='kahan' runs {type(inner).__name__} in the parameters' dtype, where "
+                f"beta_2={beta_2!r} rounds to 1.0 ({dtype}): its bias correction would be 0 and no "
+                "weight would move. Pass beta_2=0.99 or lower, use master_weights=True, or an "
+                "optimizer without beta_2 (kmix.optimizers.SGD)."
+            )
+
+
 def create_compensation(optimizer, var_list):
     """Creates a zero compensation buffer, of the variable's dtype, for each half variable.
 
