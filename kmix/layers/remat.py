@@ -47,7 +47,7 @@ class Remat(keras.layers.Layer):
     Args:
         layer: the `keras.layers.Layer` to wrap (a layer, a block or a model).
         **kwargs: `keras.layers.Layer` arguments (`name`, `trainable`);
-            `dtype` is not accepted: it is the wrapped layer's.
+            `dtype`, if given, must be the wrapped layer's policy.
 
     Example:
 
@@ -56,17 +56,19 @@ class Remat(keras.layers.Layer):
     """
 
     def __init__(self, layer, **kwargs):
-        if "dtype" in kwargs:
-            raise ValueError(
-                "Remat computes under the wrapped layer's dtype policy; do not pass `dtype`. "
-                f"Received: dtype={kwargs['dtype']!r}."
-            )
+        dtype = kwargs.pop("dtype", None)
         if isinstance(layer, dict):
             layer = keras.saving.deserialize_keras_object(layer)
         if not isinstance(layer, keras.layers.Layer):
             raise TypeError(
                 "`layer` must be a keras.layers.Layer (a layer, a block or a model). "
                 f"Received: layer={layer!r} (of type {type(layer).__name__})."
+            )
+        if dtype is not None and keras.dtype_policies.get(dtype).name != layer.dtype_policy.name:
+            raise ValueError(
+                "Remat computes under the wrapped layer's dtype policy; `dtype` may only repeat it "
+                f"(`Remat.from_config` applies a config's `dtype` to the wrapped layer). Received: "
+                f"dtype={dtype!r}, layer.dtype_policy={layer.dtype_policy.name!r}."
             )
         kwargs.pop("autocast", None)
         super().__init__(dtype=layer.dtype_policy, autocast=False, **kwargs)
@@ -102,9 +104,17 @@ class Remat(keras.layers.Layer):
 
     @classmethod
     def from_config(cls, config):
-        """Re-creates the wrapper; the nested layer is deserialized (and built) first."""
+        """Re-creates the wrapper; the nested layer is deserialized (and built) first.
+
+        A `dtype` in `config` (as `kmix.autocast` and `keras.models.clone_model`
+        put there) becomes the wrapped layer's: it is re-created under it.
+        """
         config = dict(config)
-        layer = keras.saving.deserialize_keras_object(config.pop("layer"))
+        layer_config = config.pop("layer")
+        dtype = config.pop("dtype", None)
+        if dtype is not None:
+            layer_config = {**layer_config, "config": {**layer_config["config"], "dtype": dtype}}
+        layer = keras.saving.deserialize_keras_object(layer_config)
         return cls(layer, **config)
 
 

@@ -161,3 +161,15 @@ def test_bad_arguments():
         kmix.layers.Remat("dense")
     with pytest.raises(ValueError, match="dtype"):
         kmix.layers.Remat(keras.layers.Dense(2), dtype="float16")
+
+
+def test_a_dtype_in_the_config_goes_to_the_wrapped_layer():
+    """What `kmix.autocast` and `clone_model` do: re-create a layer with `dtype` set in its config."""
+    remat = kmix.layers.Remat(encoder_block())
+    x, _ = block_inputs()
+    remat(x)
+    config = remat.get_config()
+    assert "dtype" not in config
+    clone = kmix.layers.Remat.from_config({**config, "dtype": "mixed_bfloat16"})
+    assert clone.layer.dtype_policy.name == "mixed_bfloat16" and clone.dtype_policy.name == "mixed_bfloat16"
+    assert clone(x).dtype == "bfloat16"
