@@ -20,7 +20,8 @@ and the step's activations and gradients. `state` is what is allocated
 between steps; `state (report)` is what `kmix.memory_report` predicts for
 it (parameters, master weights, optimizer slots; plus the float32
 accumulators of the accumulation rows). `ms/step` is the median time of one
-optimizer step.
+optimizer step; `loss` the training loss of the last step (every row
+trains the same batch, so the losses should agree).
 """
 
 import argparse
@@ -46,7 +47,7 @@ CONFIGS = (
     ("O2 masters", "O2", "bfloat16", 1, False, True),
     ("O2 kahan", "O2", "bfloat16", 1, False, "kahan"),
 )
-HEADERS = ["configuration", "peak", "state", "state (report)", "ms/step", "peak x f32", "time x f32"]
+HEADERS = ["configuration", "peak", "state", "state (report)", "ms/step", "peak x f32", "time x f32", "loss"]
 
 
 class Block(keras.layers.Layer):
@@ -150,6 +151,7 @@ def format_rows(results):
             r["step_seconds"] * 1e3,
             r["peak_bytes"] / base["peak_bytes"] if base else "n/a",
             r["step_seconds"] / base["step_seconds"] if base else "n/a",
+            r["loss"],
         ])
     return rows
 

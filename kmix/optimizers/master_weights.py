@@ -7,9 +7,12 @@ model variable receives the copy rounded to its dtype after every step.
 """
 
 import keras
+import ml_dtypes
+import numpy as np
 import tensorflow as tf
 
 _HALF = ("float16", "bfloat16")
+_NP_HALF = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 
 def auto_master_weights():
@@ -104,7 +107,8 @@ def check_kahan_inner(inner, var_list):
         return
     for v in var_list:
         dtype = keras.backend.standardize_dtype(v.dtype)
-        if dtype in _HALF and float(tf.cast(tf.constant(beta_2, tf.float32), dtype)) == 1.0:
+        # NumPy, not TensorFlow: `build` may run while `fit` traces its step.
+        if dtype in _HALF and float(np.asarray(beta_2, np.float32).astype(_NP_HALF[dtype])) == 1.0:
             raise ValueError(
                 f"master_weights='kahan' runs {type(inner).__name__} in the parameters' dtype, where "
                 f"beta_2={beta_2!r} rounds to 1.0 ({dtype}): its bias correction would be 0 and no "

@@ -81,6 +81,9 @@ def test_buffers_are_half_optimizer_variables_and_memory_report_counts_them():
     model = build()
     with pytest.raises(ValueError, match="beta_2"):  # 0.999 is 1.0 in bfloat16: Adam would not move
         kmix.wrap(keras.optimizers.Adam(1e-3), master_weights="kahan").build(model.trainable_variables)
+    model.compile(optimizer=kmix.wrap(keras.optimizers.Adam(1e-3), master_weights="kahan"), loss="mae")
+    with pytest.raises(ValueError, match="beta_2"):  # also when `fit` builds it while tracing
+        fit(model, 1)
     opt = kmix.wrap(keras.optimizers.Adam(1e-3, beta_2=0.99), master_weights="kahan")
     opt.build(model.trainable_variables)
     (c,) = [v for v in opt.variables if "kahan" in v.path]
