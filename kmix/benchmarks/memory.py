@@ -21,7 +21,8 @@ between steps; `state (report)` is what `kmix.memory_report` predicts for
 it (parameters, master weights, optimizer slots; plus the float32
 accumulators of the accumulation rows). `ms/step` is the median time of one
 optimizer step; `loss` the training loss of the last step (every row
-trains the same batch, so the losses should agree).
+trains on the same batch for the same number of steps, so the losses are
+close; the accumulation rows show their last micro-batch's).
 """
 
 import argparse
