@@ -187,6 +187,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # Keras's build creates `step_counter` and `dynamic_scale` and builds the inner
         # optimizer on the list it is given: the float32 copies where there are some.
         super().build(inner_vars)
+        if self._kahan:
+            buffers = {
+                optimizer_variable_key(self.inner_optimizer, var_list[i]): (var_list[i], c)
+                for i, c in self._kahan.items()
+            }
+            mw.install_kahan_hooks(self.inner_optimizer, buffers)
         self._skipped_steps = self._int_variable("skipped_steps")
         self._hysteresis_left = self._int_variable("hysteresis_left", initial=self.hysteresis)
         self._overflow_counts = self._int_variable("overflow_counts", shape=(len(var_list),))
@@ -364,14 +370,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         tf.cond(finite, apply_fn, lambda: None)
 
     def _apply_inner(self, unscaled, variables):
-        if self._kahan:
-            buffers = {
-                optimizer_variable_key(self.inner_optimizer, self._model_variables[i]): (self._model_variables[i], c)
-                for i, c in self._kahan.items()
-            }
-            with mw.kahan_updates(self.inner_optimizer, buffers):
-                self.inner_optimizer.apply(unscaled, variables)
-            return
         if not self._masters:
             self.inner_optimizer.apply(unscaled, variables)
             return

@@ -147,57 +147,46 @@ def compensated_add(variable, compensation, update):
     variable.assign(new)
 
 
-class kahan_updates:
-    """Routes an optimizer's writes to the variables in `buffers` through `compensated_add`.
+def install_kahan_hooks(optimizer, buffers):
+    """Routes `optimizer`'s writes to the variables in `buffers` through `compensated_add`.
 
-    Inside the block, `optimizer.assign_add(v, x)`, `assign_sub(v, x)` and
-    `assign(v, x)` (Keras's hooks, which every built-in `update_step` uses to
-    write a variable) become compensated updates for the half variables that
-    have a buffer; writes to anything else (slots) are left alone.
+    `optimizer.assign_add(v, x)`, `assign_sub(v, x)` and `assign(v, x)`
+    (Keras's hooks, which every built-in `update_step` uses to write a
+    variable) become compensated updates for the half variables that have a
+    buffer; writes to anything else (slots) go to Keras's methods. The hooks
+    are installed once, when the loss-scale optimizer is built, and never
+    removed: `MirroredStrategy` runs the replicas' updates in threads at once.
 
     Args:
-        optimizer: the inner Keras optimizer.
+        optimizer: the inner Keras optimizer, built.
         buffers: `{variable key: (variable, compensation)}` with keys from
             `kmix._compat.optimizer_variable_key`.
     """
+    from kmix._compat import optimizer_variable_key
 
-    def __init__(self, optimizer, buffers):
-        self.optimizer = optimizer
-        self.buffers = buffers
+    originals = {name: getattr(optimizer, name) for name in ("assign", "assign_add", "assign_sub")}
 
-    def __enter__(self):
-        from kmix._compat import optimizer_variable_key
+    def lookup(variable):
+        try:
+            return buffers.get(optimizer_variable_key(optimizer, variable))
+        except (AttributeError, TypeError):
+            return None
 
-        opt, buffers = self.optimizer, self.buffers
-        originals = {name: getattr(opt, name) for name in ("assign", "assign_add", "assign_sub")}
-        self._originals = originals
+    def make(name):
+        def hook(variable, value):
+            found = lookup(variable)
+            if found is None:
+                return originals[name](variable, value)
+            if isinstance(value, tf.IndexedSlices):
+                value = tf.convert_to_tensor(value)
+            if name == "assign":
+                value = tf.cast(value, tf.float32) - tf.cast(tf.convert_to_tensor(variable), tf.float32)
+            elif name == "assign_sub":
+                value = -tf.cast(value, tf.float32)
+            # `variable` may be a per-replica component under tf.distribute: write that one.
+            compensated_add(variable, found[1], value)
 
-        def lookup(variable):
-            try:
-                return buffers.get(optimizer_variable_key(opt, variable))
-            except (AttributeError, TypeError):
-                return None
+        return hook
 
-        def make(name, sign):
-            def hook(variable, value):
-                found = lookup(variable)
-                if found is None:
-                    return originals[name](variable, value)
-                if name == "assign":
-                    value = tf.cast(value, tf.float32) - tf.cast(tf.convert_to_tensor(found[0]), tf.float32)
-                elif sign < 0:
-                    value = -(tf.convert_to_tensor(value) if isinstance(value, tf.IndexedSlices) else value)
-                # `variable` may be a per-replica component under tf.distribute: write that one.
-                compensated_add(variable, found[1], value)
-
-            return hook
-
-        opt.assign = make("assign", 1)
-        opt.assign_add = make("assign_add", 1)
-        opt.assign_sub = make("assign_sub", -1)
-        return self
-
-    def __exit__(self, *exc):
-        for name in self._originals:
-            delattr(self.optimizer, name)
-        return False
+    for name in originals:
+        setattr(optimizer, name, make(name))

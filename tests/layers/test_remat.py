@@ -106,7 +106,7 @@ def test_fit_under_o2_with_accumulation_and_masters_then_save_and_load():
 
 
 def test_mirrored_strategy_gives_the_plain_weights():
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    strategy = two_replicas()
     x, y = small_data()
     weights = []
     for remat in (False, True):
@@ -173,3 +173,16 @@ def test_a_dtype_in_the_config_goes_to_the_wrapped_layer():
     clone = kmix.layers.Remat.from_config({**config, "dtype": "mixed_bfloat16"})
     assert clone.layer.dtype_policy.name == "mixed_bfloat16" and clone.dtype_policy.name == "mixed_bfloat16"
     assert clone(x).dtype == "bfloat16"
+
+
+def two_replicas():
+    """MirroredStrategy over the two logical CPUs of tests/conftest.py.
+
+    Reduction to one device, not collectives: TensorFlow numbers the collective
+    instances of every MirroredStrategy in a process alike, and two strategies
+    whose reductions have different shapes then abort each other.
+    """
+    import tensorflow as tf
+
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
+    return tf.distribute.MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())

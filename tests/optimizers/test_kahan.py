@@ -136,3 +136,43 @@ def test_a_small_model_trains_like_float32_masters():
     assert losses[True] < 0.05 * first
     # Within noise of the float32-master run.
     assert abs(losses["kahan"] - losses[True]) < 0.15 * losses[True], losses
+
+
+def test_mirrored_strategy_updates_like_one_device():
+    """Two replicas, one global batch: the same weights and buffers as without a strategy."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 4)).astype(np.float32)
+    y = x.sum(axis=1, keepdims=True).astype(np.float32)
+    results = []
+    for strategy in (tf.distribute.get_strategy(), two_replicas()):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, dtype="bfloat16", name="w")])
+            opt = kmix.wrap(keras.optimizers.SGD(1e-3), master_weights="kahan")
+            model.compile(optimizer=opt, loss="mse")
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        buffers = [keras.ops.convert_to_numpy(v).astype(np.float32) for v in opt.variables if "kahan" in v.path]
+        results.append(([w.astype(np.float32) for w in model.get_weights()], buffers))
+    (w1, c1), (w2, c2) = results
+    assert len(c1) == len(c2) == 2 and any(np.any(c != 0) for c in c1)
+    for a, b in zip(w1, w2):
+        np.testing.assert_array_equal(a, b)
+    # The buffers may differ in their last bit (the replicas' sum is added in another order);
+    # what parameter + buffer represent agrees to well under a bfloat16 step of the weights.
+    for wa, ca, wb, cb in zip(w1, c1, w2, c2):
+        np.testing.assert_allclose(wa + ca, wb + cb, atol=2.0**-12)
+
+
+def two_replicas():
+    """MirroredStrategy over the two logical CPUs of tests/conftest.py.
+
+    Reduction to one device, not collectives: TensorFlow numbers the collective
+    instances of every MirroredStrategy in a process alike, and two strategies
+    whose reductions have different shapes then abort each other.
+    """
+    import tensorflow as tf
+
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
+    return tf.distribute.MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
