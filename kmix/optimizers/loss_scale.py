@@ -64,7 +64,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             bytes): the inner optimizer updates the half variables directly
             (its slots take their dtype) and every write to them is a
             compensated sum. Meant for bfloat16 parameters; Adam-like
-            optimizers need `beta_2 <= 0.99` (0.999 is 1.0 in bfloat16).
+            optimizers need `beta_2 <= 0.99` (0.999 is 1.0 in bfloat16), and
+            AdamW's decoupled weight decay, which Keras writes directly, is
+            not compensated.
         accumulation_steps: micro-batches per optimizer step, an int >= 1. Their
             unscaled float32 gradients are summed and their mean applied once;
             one overflow discards the whole step (see `flush` for the
