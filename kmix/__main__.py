@@ -6,6 +6,7 @@ import os
 import sys
 
 BENCHES = {
+    "memory": "kmix.benchmarks.memory",
     "overhead": "kmix.benchmarks.overhead",
     "softmax": "kmix.benchmarks.softmax",
     "train": "kmix.benchmarks.train",

@@ -215,3 +215,15 @@ def keras_multi_worker_bugs(symbolic_build, reduce_per_replica):
     except Exception:  # noqa: BLE001
         result["reduce_per_replica"] = None
     return result
+
+
+def optimizer_variable_key(optimizer, variable):
+    """The key a Keras optimizer files `variable` under (its slots are looked up by it).
+
+    `master_weights="kahan"` must recognise the model variables among the
+    writes of the inner optimizer's `update_step`; under `tf.distribute` those
+    writes receive the strategy's per-replica variable, not the
+    `keras.Variable`, and only Keras's private `_var_key` maps both to the same
+    key. There is no public equivalent.
+    """
+    return optimizer._var_key(variable)

@@ -11,7 +11,8 @@ from kmix.benchmarks import overhead
     (["bench", "overhead", "--help"], ["--layers", "--rounds"]),
     (["bench", "softmax", "--help"], ["--quick"]),
     (["demo", "--help"], ["--steps", "--policy", "--out"]),
-    (["bench", "--help"], ["overhead", "softmax", "train"]),
+    (["bench", "memory", "--help"], ["--quick", "--jit", "256 KiB"]),
+    (["bench", "--help"], ["memory", "overhead", "softmax", "train"]),
 ])
 def test_help_reaches_the_command(capsys, argv, words):
     with pytest.raises(SystemExit) as info:

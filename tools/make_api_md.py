@@ -12,6 +12,7 @@ import kmix
 SECTIONS = [
     ("kmix", "Top level", [n for n in kmix.__all__ if n not in ("__version__", "callbacks", "distribute", "layers", "ops", "schedules")]),
     ("kmix.layers", "Layers", None),
+    ("kmix.optimizers", "Optimizers", None),
     ("kmix.ops", "Ops", None),
     ("kmix.callbacks", "Callbacks", None),
     ("kmix.distribute", "Distribution", None),

@@ -5,12 +5,14 @@
 """
 
 from kmix.layers.multi_head_attention import MultiHeadAttention
+from kmix.layers.remat import Remat
 from kmix.layers.softmax import MaskedSoftmax, Softmax
 from kmix.layers.with_policy import WithPolicy
 
 __all__ = [
     "MaskedSoftmax",
     "MultiHeadAttention",
+    "Remat",
     "Softmax",
     "WithPolicy",
 ]

@@ -4,7 +4,11 @@ import keras
 import tensorflow as tf
 
 from kmix import _checks as checks
-from kmix._compat import no_automatic_dependency_tracking, strategy_supports_no_merge_call
+from kmix._compat import (
+    no_automatic_dependency_tracking,
+    optimizer_variable_key,
+    strategy_supports_no_merge_call,
+)
 from kmix.optimizers import accumulation
 from kmix.optimizers import master_weights as mw
 
@@ -55,6 +59,14 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             `False` updates the variables directly; `"auto"` (the default)
             is `True` unless the active policy has half parameters and asks
             for none (kmix's `"O3"`, Keras's `"float16"` / `"bfloat16"`).
+            `"kahan"` keeps, instead of a float32 copy (4 bytes a parameter),
+            a half-precision buffer with the rounding error of each update (2
+            bytes): the inner optimizer updates the half variables directly
+            (its slots take their dtype) and every write to them is a
+            compensated sum. Meant for bfloat16 parameters; Adam-like
+            optimizers need `beta_2 <= 0.99` (0.999 is 1.0 in bfloat16), and
+            AdamW's decoupled weight decay, which Keras writes directly, is
+            not compensated.
         accumulation_steps: micro-batches per optimizer step, an int >= 1. Their
             unscaled float32 gradients are summed and their mean applied once;
             one overflow discards the whole step (see `flush` for the
@@ -118,9 +130,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
         if master_weights == "auto":
             master_weights = mw.auto_master_weights()
-        elif not isinstance(master_weights, bool):
+        elif not isinstance(master_weights, bool) and master_weights != "kahan":
             raise ValueError(
-                "`master_weights` must be 'auto', True or False. "
+                "`master_weights` must be 'auto', True, False or 'kahan'. "
                 f"Received: master_weights={master_weights!r}"
             )
         accumulation_steps = checks.integer("accumulation_steps", accumulation_steps)
@@ -160,7 +172,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._variable_paths = [_variable_path(v) for v in var_list]
         self._model_variables = var_list
         self._masters = {}
-        if self.master_weights and any(_dtype(v) in _HALF for v in var_list):
+        self._kahan = {}
+        if self.master_weights == "kahan":
+            mw.check_kahan_inner(self.inner_optimizer, var_list)
+            self._kahan = mw.create_compensation(self, var_list)
+        elif self.master_weights and any(_dtype(v) in _HALF for v in var_list):
             if self.inner_optimizer.built:
                 raise ValueError(
                     "Master weights need an inner optimizer that is not built yet, so that it "
@@ -173,6 +189,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # Keras's build creates `step_counter` and `dynamic_scale` and builds the inner
         # optimizer on the list it is given: the float32 copies where there are some.
         super().build(inner_vars)
+        if self._kahan:
+            buffers = {
+                optimizer_variable_key(self.inner_optimizer, var_list[i]): (var_list[i], c)
+                for i, c in self._kahan.items()
+            }
+            mw.install_kahan_hooks(self.inner_optimizer, buffers)
         self._skipped_steps = self._int_variable("skipped_steps")
         self._hysteresis_left = self._int_variable("hysteresis_left", initial=self.hysteresis)
         self._overflow_counts = self._int_variable("overflow_counts", shape=(len(var_list),))

@@ -5,9 +5,9 @@ Per trainable parameter, with `s` optimizer slots per parameter:
 | part            | bytes                                                        |
 |-----------------|--------------------------------------------------------------|
 | parameters      | size(params dtype), non-trainable variables included         |
-| master weights  | 4 when the policy keeps float32 copies of half parameters    |
+| master weights  | 4 when the policy keeps float32 copies of half parameters; size(params dtype) for `master_weights="kahan"` (the compensation buffers) |
 | gradients       | size(params dtype)                                           |
-| optimizer slots | s x 4 with master weights (the slots live on the copies), else s x size(params dtype) |
+| optimizer slots | s x 4 with float32 master weights (the slots live on the copies), else s x size(params dtype) |
 
 So 8e9 parameters in bfloat16 with float32 masters and Adam (s = 2) take
 16 + 32 + 16 + 64 = 128 GB before activations.
@@ -64,7 +64,8 @@ class MemoryReport(dict):
         return "\n".join(lines)
 
 
-def memory_report(model, policy=_OPT_LEVELS, optimizer="adam", batch_size=None, verbose=False):
+def memory_report(model, policy=_OPT_LEVELS, optimizer="adam", batch_size=None, verbose=False,
+                  master_weights=None):
     """Bytes for parameters, master weights, gradients, optimizer slots and activations.
 
     Args:
@@ -85,6 +86,12 @@ def memory_report(model, policy=_OPT_LEVELS, optimizer="adam", batch_size=None, 
             default), a parameter count, or an unknown dimension leaves it
             out.
         verbose: print the table.
+        master_weights: `None` (the default) follows each policy (float32
+            copies where it asks for them), or the `master_weights` argument
+            of `kmix.wrap` (`"auto"` is the same as `None`): `True`, `False`
+            or `"kahan"` (a compensation buffer in the parameters' dtype
+            instead of a float32 copy; the slots take the parameters' dtype).
+            A kmix `LossScaleOptimizer` passed as `optimizer` gives its own.
 
     Returns:
         A `MemoryReport`: a dict `{policy name: {part: bytes}}` whose `str()`
@@ -95,20 +102,34 @@ def memory_report(model, policy=_OPT_LEVELS, optimizer="adam", batch_size=None, 
     >>> report = kmix.memory_report(8e9, kmix.Policy("O2", half="bfloat16"), "adam")
     >>> report["O2-bfloat16"]["total"] / 1e9
     128.0
+    >>> kahan = kmix.memory_report(8e9, kmix.Policy("O2", half="bfloat16"), "adam", master_weights="kahan")
+    >>> kahan["O2-bfloat16"]["total"] / 1e9
+    80.0
     >>> print(kmix.memory_report(model, batch_size=32))
     """
     policies = [Policy(policy)] if isinstance(policy, (str, Policy)) else [Policy(p) for p in policy]
     if not policies:
         raise ValueError(f"`policy` must name at least one policy. Received: policy={policy!r}.")
     trainable, non_trainable, activation_elements = _count(model, batch_size)
+    if master_weights is None:
+        master_weights = getattr(optimizer, "master_weights", None)
+    if master_weights == "auto":
+        master_weights = None
+    if master_weights not in (None, True, False, "kahan"):
+        raise ValueError(
+            "`master_weights` must be None, 'auto', True, False or 'kahan'. "
+            f"Received: master_weights={master_weights!r}."
+        )
     slots = _slots_per_param(optimizer)
     rows = {}
     for p in policies:
         param_size = _BYTES[p.params_dtype]
-        masters = p.needs_master_weights and p.params_dtype != "float32"
+        half = p.params_dtype != "float32"
+        masters = half and (p.needs_master_weights if master_weights is None else master_weights is True)
+        kahan = half and master_weights == "kahan"
         row = {
             "params": (trainable + non_trainable) * param_size,
-            "master_weights": trainable * 4 if masters else 0,
+            "master_weights": trainable * (4 if masters else param_size if kahan else 0),
             "grads": trainable * param_size,
             "optimizer_slots": slots * trainable * (4 if masters else param_size),
             "activations": None

@@ -1,0 +1,166 @@
+"""`kmix.layers.Remat`: recompute a layer's forward pass in the backward pass.
+
+Rematerialization (gradient checkpointing) keeps only a block's inputs during
+the forward pass and runs the block again when its gradient is needed, so its
+activations never live through the whole step. Keras's own `keras.RematScope`
+uses `tf.recompute_grad`, whose `tf.custom_gradient` refuses keyword
+arguments outside eager execution (keras-team/keras#21207): every attention
+block called with `attention_mask=` or `training=` fails inside `model.fit`.
+It also lets the block's seed generators drift, so the recomputed dropout
+masks differ from the forward ones and the gradients are wrong.
+
+`Remat` fixes both:
+
+- the block is called through a function of its *floating* input tensors
+  only; keyword arguments, booleans, `None`, masks and integer ids are bound
+  in a closure (they need no gradient);
+- the block's non-trainable state (seed generator states, batch-norm
+  statistics) is read before the forward pass; the recomputation starts from
+  those values and puts the current ones back afterwards, so dropout draws
+  the same masks twice and no state is updated twice.
+"""
+
+import keras
+import tensorflow as tf
+
+from kmix.layers.with_policy import _call_parameters
+
+
+@keras.saving.register_keras_serializable(package="kmix")
+class Remat(keras.layers.Layer):
+    """Runs `layer` without keeping its activations; recomputes them for the gradient.
+
+    The wrapper holds no variables of its own and changes no dtype: inputs
+    reach `layer` as they are (`autocast=False`), so it computes under its own
+    policy, and every positional and keyword argument is passed through
+    (tensors, `attention_mask=`, `padding_mask=`, `training=`, `None`).
+    Loss and gradients are those of `layer` itself: dropout inside it draws
+    the same masks in the recomputation as in the forward pass, and every
+    variable it reads gets its gradient. Memory falls by the block's
+    activations, at the cost of one more forward pass of the block per step.
+
+    Wrap blocks whose activations are large compared with their inputs (a
+    transformer block keeps ~10-20 tensors of its input's size; its input is
+    one). A layer that is not built yet runs once without recomputation (its
+    first call builds it); later calls rematerialize.
+
+    Args:
+        layer: the `keras.layers.Layer` to wrap (a layer, a block or a model).
+        **kwargs: `keras.layers.Layer` arguments (`name`, `trainable`);
+            `dtype`, if given, must be the wrapped layer's policy.
+
+    Example:
+
+    >>> block = keras_hub.layers.TransformerEncoder(256, 4, dropout=0.1)
+    >>> x = kmix.layers.Remat(block)(x, padding_mask=mask)
+    """
+
+    def __init__(self, layer, **kwargs):
+        dtype = kwargs.pop("dtype", None)
+        if isinstance(layer, dict):
+            layer = keras.saving.deserialize_keras_object(layer)
+        if not isinstance(layer, keras.layers.Layer):
+            raise TypeError(
+                "`layer` must be a keras.layers.Layer (a layer, a block or a model). "
+                f"Received: layer={layer!r} (of type {type(layer).__name__})."
+            )
+        if dtype is not None and keras.dtype_policies.get(dtype).name != layer.dtype_policy.name:
+            raise ValueError(
+                "Remat computes under the wrapped layer's dtype policy; `dtype` may only repeat it "
+                f"(`Remat.from_config` applies a config's `dtype` to the wrapped layer). Received: "
+                f"dtype={dtype!r}, layer.dtype_policy={layer.dtype_policy.name!r}."
+            )
+        kwargs.pop("autocast", None)
+        super().__init__(dtype=layer.dtype_policy, autocast=False, **kwargs)
+        self.layer = layer
+        self.supports_masking = layer.supports_masking
+        self._call_parameters = _call_parameters(layer)
+
+    def build(self, input_shape=None):
+        """Nothing to create: the wrapped layer builds itself on its first call."""
+
+    def call(self, inputs, *args, training=None, mask=None, **kwargs):
+        """Calls the wrapped layer; its activations are recomputed in the backward pass."""
+        if self._call_parameters is None or "training" in self._call_parameters:
+            kwargs["training"] = training
+        if mask is not None and (self._call_parameters is None or "mask" in self._call_parameters):
+            kwargs["mask"] = mask
+        args = (inputs,) + args
+        if not self.layer.built:
+            return self.layer(*args, **kwargs)  # building creates variables: not in a custom gradient
+        return rematerialize(self.layer, args, kwargs)
+
+    def compute_mask(self, inputs, mask=None):
+        """The wrapped layer's mask."""
+        return self.layer.compute_mask(inputs, mask)
+
+    def get_config(self):
+        """The wrapped layer, serialized."""
+        config = super().get_config()
+        config.pop("dtype", None)
+        config.pop("autocast", None)
+        config["layer"] = keras.saving.serialize_keras_object(self.layer)
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        """Re-creates the wrapper; the nested layer is deserialized (and built) first.
+
+        A `dtype` in `config` (as `kmix.autocast` and `keras.models.clone_model`
+        put there) becomes the wrapped layer's: it is re-created under it.
+        """
+        config = dict(config)
+        layer_config = config.pop("layer")
+        dtype = config.pop("dtype", None)
+        if dtype is not None:
+            layer_config = {**layer_config, "config": {**layer_config["config"], "dtype": dtype}}
+        layer = keras.saving.deserialize_keras_object(layer_config)
+        return cls(layer, **config)
+
+
+def rematerialize(layer, args, kwargs):
+    """`layer(*args, **kwargs)` whose activations are recomputed for the gradient.
+
+    Args:
+        layer: a built `keras.layers.Layer`.
+        args, kwargs: its call arguments; only floating tensors among them
+            receive gradients, everything else is bound as it is.
+
+    Returns:
+        What `layer` returns.
+    """
+    flat = tf.nest.flatten((args, kwargs))
+    positions = [i for i, x in enumerate(flat) if tf.is_tensor(x) and x.dtype.is_floating]
+    if not positions:  # nothing to checkpoint from: the block starts at integer ids
+        return layer(*args, **kwargs)
+    state = [v for v in layer.variables if not v.trainable]
+    before = [tf.identity(tf.convert_to_tensor(v.value)) for v in state]
+    calls = []
+    structure = []
+
+    def forward(*floats):
+        values = list(flat)
+        for i, x in zip(positions, floats):
+            values[i] = x
+        call_args, call_kwargs = tf.nest.pack_sequence_as((args, kwargs), values)
+        recompute = bool(calls)
+        calls.append(recompute)
+        if recompute:
+            # The backward pass: start from the state the forward pass saw (same seeds),
+            # then put back the state the forward pass left.
+            current = [tf.identity(tf.convert_to_tensor(v.value)) for v in state]
+            for v, value in zip(state, before):
+                v.assign(tf.cast(value, v.dtype))
+        outputs = layer(*call_args, **call_kwargs)
+        if recompute:
+            for v, value in zip(state, current):
+                v.assign(tf.cast(value, v.dtype))
+        else:
+            structure.append(outputs)
+        tensors = [t for t in tf.nest.flatten(outputs) if tf.is_tensor(t)]
+        return tensors[0] if len(tensors) == 1 else tensors
+
+    result = tf.recompute_grad(forward)(*[flat[i] for i in positions])
+    tensors = iter([result] if tf.is_tensor(result) else list(result))
+    leaves = [next(tensors) if tf.is_tensor(t) else t for t in tf.nest.flatten(structure[0])]
+    return tf.nest.pack_sequence_as(structure[0], leaves)
