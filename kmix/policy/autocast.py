@@ -103,8 +103,13 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
     _check_model(model)
     rules = Rules(policy, float32_layers)
     plan = rules.plan(model)
-    dtype_map = rules.dtype_map(model, plan)
-    new_model = _rebuild(model, dtype_map, swap=rules.half_compute and not rules.pure)
+    swap = rules.half_compute and not rules.pure
+    # A first copy tells the paths its layers get (a block built inside a wrapper's call in the
+    # model may be built outside it in a copy); the map is keyed by both.
+    probe = _rebuild(model, keras.dtype_policies.DTypePolicyMap(default_policy=rules.default), swap)
+    probe_layers = [layer for _, layer, _ in walk(probe)]
+    dtype_map = rules.dtype_map(model, plan, probe_layers if len(probe_layers) == len(plan) else None)
+    new_model = _rebuild(model, dtype_map, swap)
     table = _place_and_copy(model, plan, new_model, rules.plan(new_model))
     unplaced = [row.layer for row in table if "not placed" in row.reason]
     if unplaced:

@@ -8,6 +8,8 @@ layers nested in other layers and models included, by `kmix.autocast` and by
 `kmix.policy_map` (the route for subclassed models).
 """
 
+import re
+
 import keras
 
 from kmix import _compat
@@ -137,20 +139,33 @@ class Rules:
             plan.append((path, layer, dtype, reason))
         return plan
 
-    def dtype_map(self, model, plan):
+    def dtype_map(self, model, plan, copy_layers=None):
         """The `DTypePolicyMap` of `plan` (from `self.plan(model)`): entries for layers with variables.
 
-        A layer's path may or may not start with the model's name, depending on
-        how the model was built (a Sequential built from `keras.Input` or from
-        its config): each entry is keyed both ways.
+        A layer's path depends on how the model was built, not only on the
+        layer (a Sequential built from `keras.Input` or from its config; a
+        block built inside a wrapper's call or before it): each entry is keyed
+        by its path without the model's name, with it, and as a pattern that
+        matches any prefix, unless that pattern could also match another
+        entry's layers (the map refuses a path two patterns match).
+        `copy_layers`, the layers of a copy of `model` in `plan`'s order, adds
+        the paths they have there.
         """
-        dtype_map = keras.dtype_policies.DTypePolicyMap(default_policy=self.default)
         prefix = f"{model.name}/"
-        for _, layer, dtype, _ in plan:
-            if dtype is None or dtype == self.default.name or not layer.weights or not layer.path:
+        entries = {}
+        copy_layers = copy_layers or [None] * len(plan)
+        for (_, layer, dtype, _), copy in zip(plan, copy_layers):
+            if dtype is None or dtype == self.default.name or not layer.weights:
                 continue
-            relative = layer.path[len(prefix):] if layer.path.startswith(prefix) else layer.path
-            for key in (relative, prefix + relative):
+            for path in (layer.path, getattr(copy, "path", None)):
+                if path:
+                    entries.setdefault(path[len(prefix):] if path.startswith(prefix) else path, dtype)
+        dtype_map = keras.dtype_policies.DTypePolicyMap(default_policy=self.default)
+        for relative, dtype in entries.items():
+            keys = [relative, prefix + relative]
+            if not any(_is_suffix(relative, other) or _is_suffix(other, relative) for other in entries):
+                keys.append("(?:.*/)?" + re.escape(relative))
+            for key in keys:
                 if key not in dtype_map:
                     dtype_map[key] = keras.DTypePolicy(dtype)
         return dtype_map
@@ -289,6 +304,11 @@ def _output_layers(model):
 def _is_graph_model(model):
     """A Sequential or functional model (a keras-hub backbone included): its graph is known."""
     return isinstance(model, keras.Sequential) or _compat.is_functional(model)
+
+
+def _is_suffix(short, long):
+    """Whether path `long` ends with the whole path `short` (`"norm"` of `"enc/norm"`)."""
+    return long.endswith("/" + short)
 
 
 def _is_normalization(layer):

@@ -270,3 +270,20 @@ def test_layers_that_cannot_be_placed_are_reported(recwarn):
     row = {r.layer: r for r in table}["block/norm"]
     assert "not placed" in row.reason and row.after == "float16"
     assert any("block/norm" in str(w.message) for w in recwarn)
+
+
+def test_a_block_wrapped_in_remat_is_placed_inside(recwarn):
+    keras_hub = pytest.importorskip("keras_hub")
+    inputs = keras.Input((6, 16))
+    mask = keras.Input((6,), dtype="int32")
+    block = keras_hub.layers.TransformerEncoder(32, 2, name="enc")
+    h = kmix.layers.Remat(block, name="remat_enc")(inputs, padding_mask=mask)
+    model = keras.Model([inputs, mask], keras.layers.Dense(2, name="head")(h[:, 0]))
+    new = autocast(model, "O2")
+    assert not [w for w in recwarn if "could not place" in str(w.message)]
+    norms = [v for v in new.weights if "layer_norm" in v.path]
+    assert norms and all(v.dtype == "float32" for v in norms)
+    assert isinstance(new.get_layer("remat_enc"), kmix.layers.Remat)
+    x = [sample((3, 6, 16)), np.ones((3, 6), "int32")]
+    np.testing.assert_allclose(new.predict(x, verbose=0), model.predict(x, verbose=0), atol=2e-2)
+    assert_model_round_trip(new, x)
