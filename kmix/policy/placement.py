@@ -8,8 +8,6 @@ layers nested in other layers and models included, by `kmix.autocast` and by
 `kmix.policy_map` (the route for subclassed models).
 """
 
-import re
-
 import keras
 
 from kmix import _compat
@@ -145,11 +143,10 @@ class Rules:
         A layer's path depends on how the model was built, not only on the
         layer (a Sequential built from `keras.Input` or from its config; a
         block built inside a wrapper's call or before it): each entry is keyed
-        by its path without the model's name, with it, and as a pattern that
-        matches any prefix, unless that pattern could also match another
-        entry's layers (the map refuses a path two patterns match).
-        `copy_layers`, the layers of a copy of `model` in `plan`'s order, adds
-        the paths they have there.
+        by its path without the model's name and with it, and `copy_layers`,
+        the layers of a copy of `model` in `plan`'s order, adds the paths they
+        have there. Keys are exact paths, never patterns: a pattern could
+        place a layer of the same name elsewhere.
         """
         prefix = f"{model.name}/"
         entries = {}
@@ -162,10 +159,7 @@ class Rules:
                     entries.setdefault(path[len(prefix):] if path.startswith(prefix) else path, dtype)
         dtype_map = keras.dtype_policies.DTypePolicyMap(default_policy=self.default)
         for relative, dtype in entries.items():
-            keys = [relative, prefix + relative]
-            if not any(_is_suffix(relative, other) or _is_suffix(other, relative) for other in entries):
-                keys.append("(?:.*/)?" + re.escape(relative))
-            for key in keys:
+            for key in (relative, prefix + relative):
                 if key not in dtype_map:
                     dtype_map[key] = keras.DTypePolicy(dtype)
         return dtype_map
@@ -304,11 +298,6 @@ def _output_layers(model):
 def _is_graph_model(model):
     """A Sequential or functional model (a keras-hub backbone included): its graph is known."""
     return isinstance(model, keras.Sequential) or _compat.is_functional(model)
-
-
-def _is_suffix(short, long):
-    """Whether path `long` ends with the whole path `short` (`"norm"` of `"enc/norm"`)."""
-    return long.endswith("/" + short)
 
 
 def _is_normalization(layer):
