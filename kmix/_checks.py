@@ -52,3 +52,17 @@ def _bounds(low, high, low_open, high_open):
     if low is None:
         return f"{'<' if high_open else '<='} {high:g}"
     return f"in the interval {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+
+def wrapped_layer(layer):
+    """`layer` (deserialized if it is a config dict) for a wrapper layer; `TypeError` otherwise."""
+    import keras
+
+    if isinstance(layer, dict):
+        layer = keras.saving.deserialize_keras_object(layer)
+    if not isinstance(layer, keras.layers.Layer):
+        raise TypeError(
+            "`layer` must be a keras.layers.Layer (a layer, a block or a model). "
+            f"Received: layer={layer!r} (of type {type(layer).__name__})."
+        )
+    return layer

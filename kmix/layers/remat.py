@@ -21,6 +21,8 @@ masks differ from the forward ones and the gradients are wrong.
 """
 
 import keras
+
+from kmix import _checks as checks
 import tensorflow as tf
 
 from kmix.layers.with_policy import _call_parameters
@@ -57,13 +59,7 @@ class Remat(keras.layers.Layer):
 
     def __init__(self, layer, **kwargs):
         dtype = kwargs.pop("dtype", None)
-        if isinstance(layer, dict):
-            layer = keras.saving.deserialize_keras_object(layer)
-        if not isinstance(layer, keras.layers.Layer):
-            raise TypeError(
-                "`layer` must be a keras.layers.Layer (a layer, a block or a model). "
-                f"Received: layer={layer!r} (of type {type(layer).__name__})."
-            )
+        layer = checks.wrapped_layer(layer)
         if dtype is not None and keras.dtype_policies.get(dtype).name != layer.dtype_policy.name:
             raise ValueError(
                 "Remat computes under the wrapped layer's dtype policy; `dtype` may only repeat it "

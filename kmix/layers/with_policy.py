@@ -4,6 +4,7 @@ import inspect
 
 import keras
 
+from kmix import _checks as checks
 from kmix.policy.policy import Policy
 
 
@@ -44,13 +45,7 @@ class WithPolicy(keras.layers.Layer):
                 "WithPolicy takes its dtype from `policy`; do not pass `dtype`. "
                 f"Received: dtype={kwargs['dtype']!r}, policy={policy!r}."
             )
-        if isinstance(layer, dict):
-            layer = keras.saving.deserialize_keras_object(layer)
-        if not isinstance(layer, keras.layers.Layer):
-            raise TypeError(
-                "`layer` must be a keras.layers.Layer (a layer, a block or a model). "
-                f"Received: layer={layer!r} (of type {type(layer).__name__})."
-            )
+        layer = checks.wrapped_layer(layer)
         if isinstance(policy, dict):
             policy = Policy.from_config(policy)
         policy = Policy(policy)
