@@ -21,10 +21,9 @@ masks differ from the forward ones and the gradients are wrong.
 """
 
 import keras
-
-from kmix import _checks as checks
 import tensorflow as tf
 
+from kmix import _checks as checks
 from kmix.layers.with_policy import _call_parameters
 
 
