@@ -27,6 +27,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -87,6 +88,12 @@ def worker(args):
         f"replicas={strategy.num_replicas_in_sync}",
         flush=True,
     )
+    # Exit only once the other worker is done: a worker that exits while its peer still pulls
+    # the last collective's buffer from it makes that peer fail ("Socket closed").
+    done = os.environ["KMIX_EXAMPLE_DONE_DIR"]
+    open(os.path.join(done, f"worker{index}"), "w").close()
+    while not os.path.exists(os.path.join(done, f"worker{1 - index}")):
+        time.sleep(0.1)  # the launcher's deadline bounds this
 
 
 def free_ports(count):
@@ -103,10 +110,12 @@ def free_ports(count):
 def launch(args, argv):
     """Starts two workers on 127.0.0.1, waits (with a deadline), prints their checksums."""
     cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(2)]}
+    done = tempfile.mkdtemp(prefix="kmix-workers-")  # where each worker says it has finished
     logs, procs = [], []
     try:
         for index in range(2):
-            env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}))
+            task = {"cluster": cluster, "task": {"type": "worker", "index": index}}
+            env = dict(os.environ, TF_CONFIG=json.dumps(task), KMIX_EXAMPLE_DONE_DIR=done)
             logs.append(tempfile.TemporaryFile("w+"))
             procs.append(subprocess.Popen([sys.executable, __file__, *argv], env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
         deadline = time.monotonic() + args.timeout
@@ -120,6 +129,7 @@ def launch(args, argv):
             if p.poll() is None:
                 p.kill()
             p.wait()
+        shutil.rmtree(done, ignore_errors=True)
     lines = []
     for index, (p, log) in enumerate(zip(procs, logs)):
         log.seek(0)

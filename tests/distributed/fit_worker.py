@@ -25,6 +25,7 @@ import faulthandler
 import json
 import os
 import signal
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -165,6 +166,21 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     np.savez(os.path.join(args.out, f"{args.strategy}{index}.npz"), **state)
     print(f"{args.strategy} {index}: wrote results", flush=True)
+    if args.strategy == "multi_worker":
+        wait_for_peer(args.out, index)
+
+
+def wait_for_peer(folder, index):
+    """Exits only once the other worker is done too.
+
+    A worker that exits while its peer still pulls the last collective's
+    buffer from it makes that peer fail ("Socket closed"); a worker writes its
+    file only after its own last collective, so waiting for it is enough.
+    """
+    open(os.path.join(folder, f"done{index}"), "w").close()
+    other = os.path.join(folder, f"done{1 - index}")
+    while not os.path.exists(other):  # the test's hard deadline bounds this
+        time.sleep(0.1)
 
 
 if __name__ == "__main__":
