@@ -227,3 +227,84 @@ def optimizer_variable_key(optimizer, variable):
     key. There is no public equivalent.
     """
     return optimizer._var_key(variable)
+
+
+# ------------------------------------------------------------------------------------------
+# `steps_per_execution > 1` under any `tf.distribute` strategy (keras-team/keras#19246), used
+# only by kmix/distribute/multi_step.py. Keras's `TensorFlowTrainer._make_function` runs
+# each step of a multi-step execution inside a `tf.cond` (to stop at the end of the data);
+# under a strategy an optimizer update there fails ("You must feed a value for placeholder
+# tensor '.../while/cond/Placeholder'"). The method, the optional-to-None wrapper it applies
+# to steps, and the spec an empty `tf.experimental.Optional` is created with are private.
+
+def keras_make_function():
+    """Keras's `TensorFlowTrainer._make_function` as it is installed now."""
+    return _keras_tf_trainer().TensorFlowTrainer._make_function
+
+
+def set_keras_make_function(fn):
+    """Installs `fn` as `TensorFlowTrainer._make_function` (every Keras model)."""
+    _keras_tf_trainer().TensorFlowTrainer._make_function = fn
+
+
+def autoconvert_optionals(model, step):
+    """Keras's wrapper that turns `tf.experimental.Optional` leaves of a batch into None."""
+    return model._autoconvert_optionals(step)
+
+
+def set_optional_spec(optional, element_spec):
+    """Gives an `Optional.empty(None)` the spec it will hold, as Keras's own loop does.
+
+    A `tf.while_loop` over an optional of the step's outputs needs the initial
+    (empty) optional to carry the outputs' spec, which is known only once the
+    loop body has been traced; `tf.experimental.Optional` has no public setter.
+    """
+    optional._element_spec = element_spec
+
+
+def _in_cond_branch():
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        # The class of a `tf.cond` branch's graph (control-flow v2); no public predicate.
+        if type(graph).__name__ == "CondBranchFuncGraph":
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
+
+
+def keras_steps_in_cond(make_function):
+    """Whether `make_function` (Keras's `_make_function`) traces a multi-step step inside a `tf.cond`.
+
+    Traces the function for `steps_per_execution=2` on a stand-in model whose
+    strategy records where its `run` is called and stops the trace there, so
+    nothing executes. It needs TensorFlow's runtime (a small dataset), so it
+    runs only once a strategy exists.
+
+    Returns:
+        True (the bug of keras-team/keras#19246), False (the step runs outside
+        any `tf.cond`) or None (Keras's code changed so that the probe cannot tell).
+    """
+    import types
+
+    seen = []
+
+    class Strategy:
+        def run(self, fn, args=(), kwargs=None):
+            seen.append(_in_cond_branch())
+            raise _ProbeDone
+
+    model = types.SimpleNamespace(
+        distribute_strategy=Strategy(),
+        steps_per_execution=2,
+        unrolled_steps_per_execution=1,
+        run_eagerly=False,
+        jit_compile=False,
+        _autoconvert_optionals=lambda fn: fn,
+    )
+    try:
+        make_function(model, lambda data: data)(iter(tf.data.Dataset.range(4)))
+    except _ProbeDone:
+        pass
+    except Exception:  # noqa: BLE001 - any other failure means the code changed shape
+        return None
+    return any(seen) if seen else None

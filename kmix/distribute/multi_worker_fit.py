@@ -22,7 +22,7 @@ import logging
 import tensorflow as tf
 
 from kmix import _compat
-from kmix.distribute import keras_loss_scale
+from kmix.distribute import keras_loss_scale, multi_step
 
 _log = logging.getLogger("kmix")
 _state = {"enabled": False, "keras": None}
@@ -83,14 +83,20 @@ def enable_multi_worker_fit():
     keep its `apply`) skip a step when *any* replica overflowed: Keras decides
     on the first local replica's gradients, so under several workers one
     worker skipped while the other waited in the gradient all-reduce.
-    kmix's own optimizer needs nothing. Call it once per worker process,
+    kmix's own optimizer needs nothing. Under any strategy,
+    `MirroredStrategy` included, it also lets `compile(steps_per_execution=n)`
+    with n > 1 run (keras-team/keras#19246): Keras runs each step of an
+    execution inside a `tf.cond`, where a collective all-reduce fails; kmix's
+    loop runs the same steps without one. Call it once per worker process,
     before `fit`, in any order with creating the strategy; calling it again
     does nothing.
 
     Before replacing anything it runs Keras's two trainer functions on
-    stand-ins (no cluster, no tensor). Where the installed Keras no longer has
-    a bug, Keras's own function stays and a log line (logger `"kmix"`,
-    WARNING) says so.
+    stand-ins (no cluster, no tensor); the multi-step loop is probed the same
+    way the first time a model under a strategy asks for one (tracing needs
+    TensorFlow's runtime). Where the installed Keras no longer has a bug,
+    Keras's own function stays and a log line (logger `"kmix"`, WARNING)
+    says so.
 
     Returns:
         True once kmix's replacements are installed (this call or an earlier one).
@@ -109,12 +115,16 @@ def enable_multi_worker_fit():
         return _state["enabled"]
     keras_build = _compat.keras_symbolic_build()
     keras_reduce = _compat.keras_reduce_per_replica()
+    keras_make_function = _compat.keras_make_function()
     bugs = _compat.keras_multi_worker_bugs(keras_build, keras_reduce)
-    _state["keras"] = (keras_build, keras_reduce)
+    _state["keras"] = (keras_build, keras_reduce, keras_make_function)
     if bugs["symbolic_build"]:
         _compat.set_keras_symbolic_build(_make_symbolic_build(keras_build))
     if bugs["reduce_per_replica"]:
         _compat.set_keras_reduce_per_replica(_make_reduce_per_replica(keras_reduce))
+    # steps_per_execution > 1 under a strategy: whether Keras still has that bug can only be
+    # probed with TensorFlow running, so the replacement probes on its first multi-step use.
+    _compat.set_keras_make_function(multi_step.make_function_replacement(keras_make_function))
     # Keras's own LossScaleOptimizer decides on one replica's gradients: always wrapped
     # (a flag all-reduced over replicas is right whether or not Keras fixes that).
     keras_loss_scale.install()
@@ -137,7 +147,7 @@ def enable_multi_worker_fit():
 
 
 def disable_multi_worker_fit():
-    """Puts Keras's own trainer functions and `LossScaleOptimizer.apply` back.
+    """Puts Keras's own trainer functions (the multi-step loop too) and `LossScaleOptimizer.apply` back.
 
     Undoes `enable_multi_worker_fit`.
 
@@ -152,9 +162,10 @@ def disable_multi_worker_fit():
     """
     if _state["keras"] is None:
         return False
-    keras_build, keras_reduce = _state["keras"]
+    keras_build, keras_reduce, keras_make_function = _state["keras"]
     _compat.set_keras_symbolic_build(keras_build)
     _compat.set_keras_reduce_per_replica(keras_reduce)
+    _compat.set_keras_make_function(keras_make_function)
     keras_loss_scale.uninstall()
     restored = _state["enabled"]
     _state.update(enabled=False, keras=None)

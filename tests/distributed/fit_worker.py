@@ -11,13 +11,15 @@ batches of `GLOBAL_BATCH` rows, split in halves (a worker's or a replica's).
 - `kmix_*`: mixed_float16, `kmix.wrap(Adam)`, `validation_data` (arrays), a
   last partial batch, an inf in worker 1's half of one batch; then `evaluate`
   and `predict` (with a partial last batch).
+- `steps2_*`: the `kmix_*` fit, `evaluate` and `predict` again with
+  `steps_per_execution=2` (three executions of two steps, the last one with
+  the partial batch).
 - `keras_*`, `subclass_*`: the same fit with Keras's own `LossScaleOptimizer`
   and with a user subclass of it.
 - `backup_*`: `EPOCHS` epochs with `BackupAndRestore(save_freq="epoch")`.
 `--scenario backup` trains only the last one; `--die-at EPOCH:BATCH` makes
 worker 1 SIGKILL itself after that batch (its backup is the end of the epoch
-before). `steps_per_execution` stays 1: Keras 3.15 fails with more under any
-strategy (keras-team/keras#19246), kmix or not.
+before).
 """
 
 import argparse
@@ -111,12 +113,13 @@ def main():
             kwargs.setdefault("initial_scale", 2.0**8)
             super().__init__(inner_optimizer, **kwargs)
 
-    def fit(prefix, make_optimizer, **kwargs):
+    def fit(prefix, make_optimizer, steps_per_execution=1, **kwargs):
         with strategy.scope():
             model = build_model(keras)
             model.compile(
                 optimizer=make_optimizer(keras.optimizers.Adam(1e-2)),
                 loss="mse",
+                steps_per_execution=steps_per_execution,
             )
         history = model.fit(batches(x, y), epochs=1, verbose=0, **kwargs)
         state.update(optimizer_state(keras, prefix, model, model.optimizer))
@@ -127,12 +130,18 @@ def main():
         return model
 
     if args.scenario == "all":
-        # initial_scale 2^10: the injected inf is the only overflow (2^15 overflows once more).
-        model = fit("kmix", lambda opt: kmix.wrap(opt, initial_scale=2.0**10), validation_data=(xv, yv))
-        state["kmix_evaluate"] = np.asarray(model.evaluate(batches(xv, yv), verbose=0))
-        print(f"{args.strategy} {index}: evaluate done", flush=True)
-        state["kmix_predict"] = model.predict(batches(xp), verbose=0)
-        print(f"{args.strategy} {index}: predict done", flush=True)
+        for prefix, steps in (("kmix", 1), ("steps2", 2)):
+            # initial_scale 2^10: the injected inf is the only overflow (2^15 overflows once more).
+            model = fit(
+                prefix,
+                lambda opt: kmix.wrap(opt, initial_scale=2.0**10),
+                steps_per_execution=steps,
+                validation_data=(xv, yv),
+            )
+            state[f"{prefix}_evaluate"] = np.asarray(model.evaluate(batches(xv, yv), verbose=0))
+            print(f"{args.strategy} {index}: evaluate done", flush=True)
+            state[f"{prefix}_predict"] = model.predict(batches(xp), verbose=0)
+            print(f"{args.strategy} {index}: predict done", flush=True)
         state["kmix_direct"] = keras.ops.convert_to_numpy(model(xp))
         print(f"{args.strategy} {index}: direct call done", flush=True)
         fit("keras", lambda opt: keras.optimizers.LossScaleOptimizer(opt, initial_scale=2.0**10))
@@ -157,8 +166,8 @@ def main():
         model.compile(optimizer=kmix.wrap(keras.optimizers.Adam(1e-2)), loss="mse")
     callbacks = [Die()]
     if args.backup_root:
-        # One directory per worker: each writes its own copy of the (identical) state.
-        backup = os.path.join(args.backup_root, f"worker{index}")
+        # One directory per worker (and one for the reference process): each writes its own copy.
+        backup = os.path.join(args.backup_root, f"{args.strategy}{index}")
         callbacks.insert(0, keras.callbacks.BackupAndRestore(backup, save_freq="epoch"))
     model.fit(batches(x, y), epochs=EPOCHS, verbose=0, callbacks=callbacks)
     state.update(optimizer_state(keras, "backup", model, model.optimizer))

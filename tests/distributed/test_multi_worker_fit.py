@@ -107,6 +107,20 @@ def test_evaluate_and_predict_agree_on_both_workers(runs):
     np.testing.assert_allclose(w0["kmix_predict"], w0["kmix_direct"], atol=2e-3)
 
 
+def test_steps_per_execution_2_runs_the_same_steps(runs):
+    # Keras 3.15 fails with steps_per_execution > 1 under any strategy (keras-team/keras#19246);
+    # kmix's loop runs the same steps: everything equals the one-step-per-execution run.
+    for name in ("multi_worker0", "multi_worker1", "mirrored"):
+        result = runs[name]
+        one_step = {k[len("kmix_"):]: v for k, v in result.items() if k.startswith("kmix_")}
+        two_steps = {k[len("steps2_"):]: v for k, v in result.items() if k.startswith("steps2_")}
+        one_step.pop("direct")
+        assert sorted(one_step) == sorted(two_steps), name
+        for key in one_step:  # weights, scale, counters, loss, val_loss, evaluate, predict
+            np.testing.assert_array_equal(two_steps[key], one_step[key], err_msg=f"{name}: {key}")
+    assert int(runs["multi_worker0"]["steps2_skipped_steps"]) == 1
+
+
 def test_keras_loss_scale_optimizer_and_a_subclass(runs):
     w0, w1, mirrored = runs["multi_worker0"], runs["multi_worker1"], runs["mirrored"]
     for prefix, initial in (("keras_", 2.0**10), ("subclass_", 2.0**8)):
@@ -153,15 +167,36 @@ def test_probe_sees_both_bugs_in_this_keras_and_none_in_fixed_code():
     }
 
 
+def test_probe_sees_steps_traced_inside_a_cond():
+    if keras.__version__ == "3.15.1":
+        assert _compat.keras_steps_in_cond(_compat.keras_make_function()) is True
+
+    def fixed_make_function(model, step_function):  # the step outside any tf.cond
+        @tf.function
+        def multi_step(iterator):
+            return model.distribute_strategy.run(step_function, args=(iterator.get_next(),))
+
+        return multi_step
+
+    assert _compat.keras_steps_in_cond(fixed_make_function) is False
+    assert _compat.keras_steps_in_cond(lambda *a: 1 / 0) is None
+
+
+def _installed():
+    return (_compat.keras_symbolic_build(), _compat.keras_reduce_per_replica(), _compat.keras_make_function())
+
+
 def test_enable_is_idempotent_and_disable_restores_keras():
-    keras_build, keras_reduce = _compat.keras_symbolic_build(), _compat.keras_reduce_per_replica()
+    keras_functions = _installed()
+    keras_build, keras_reduce, keras_make_function = keras_functions
     keras_apply = keras.optimizers.LossScaleOptimizer.apply
     try:
         assert kmix.distribute.enable_multi_worker_fit() is True
-        installed = (_compat.keras_symbolic_build(), _compat.keras_reduce_per_replica())
+        installed = _installed()
         assert kmix.distribute.enable_multi_worker_fit() is True
-        assert (_compat.keras_symbolic_build(), _compat.keras_reduce_per_replica()) == installed
-        assert installed[0].kmix_replaces is keras_build and installed[1].kmix_replaces is keras_reduce
+        assert _installed() == installed
+        for replacement, original in zip(installed, keras_functions):
+            assert replacement.kmix_replaces is original
         assert keras.optimizers.LossScaleOptimizer.apply.kmix_replaces is keras_apply
         assert kmix.distribute.multi_worker_fit_enabled()
         # Outside MultiWorkerMirroredStrategy the replacement is Keras's own function.
@@ -171,8 +206,7 @@ def test_enable_is_idempotent_and_disable_restores_keras():
         )
     finally:
         kmix.distribute.disable_multi_worker_fit()
-    assert _compat.keras_symbolic_build() is keras_build
-    assert _compat.keras_reduce_per_replica() is keras_reduce
+    assert _installed() == keras_functions
     assert keras.optimizers.LossScaleOptimizer.apply is keras_apply
     assert not kmix.distribute.multi_worker_fit_enabled()
     assert kmix.distribute.disable_multi_worker_fit() is False
@@ -213,3 +247,44 @@ def test_keras_loss_scale_optimizer_skips_when_any_replica_overflows():
         # Keras's own decision reads replica 0's gradients only: the inf gets applied.
         weights, scale = _keras_lso_step_with_inf_on_replica_1(strategy)
         assert not np.isfinite(weights).all() and scale == 4.0
+
+
+def _fit_on_two_replicas(steps_per_execution):
+    """Weights after 2 epochs of 5 batches (the last partial) under MirroredStrategy."""
+    strategy = tf.distribute.MirroredStrategy(
+        ["CPU:0", "CPU:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(36, 4)).astype("float32")
+    y = x[:, :1] - x[:, 1:2]
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+        model.compile(
+            optimizer=kmix.wrap(keras.optimizers.Adam(1e-2)), loss="mse", steps_per_execution=steps_per_execution
+        )
+    history = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=2, verbose=0)
+    loop = model.train_function.__qualname__  # whose multi-step loop ran
+    return model.get_weights(), history.history["loss"], int(model.optimizer.iterations.numpy()), loop
+
+
+def test_steps_per_execution_under_mirrored_strategy():
+    # Keras's own loop fails here only with collective all-reduces (MirroredStrategy's default
+    # on CPUs, MultiWorkerMirroredStrategy's always), which repeat keys across the strategies
+    # of one process: the worker processes above show that failure fixed. This checks that
+    # kmix's loop runs the same steps, partial executions included.
+    if len(tf.config.list_logical_devices("CPU")) < 2:
+        pytest.skip("needs the two logical CPUs tests/conftest.py sets up")
+    reference = _fit_on_two_replicas(1)
+    try:
+        kmix.distribute.enable_multi_worker_fit()
+        for steps in (2, 3):  # 5 batches: executions of 2+2+1 and of 3+2
+            weights, losses, iterations, loop = _fit_on_two_replicas(steps)
+            if keras.__version__ == "3.15.1":
+                assert loop.startswith("make_function_replacement."), loop
+            assert iterations == reference[2] == 10
+            np.testing.assert_array_equal(losses, reference[1])
+            for got, want in zip(weights, reference[0]):
+                np.testing.assert_array_equal(got, want)
+    finally:
+        kmix.distribute.disable_multi_worker_fit()

@@ -1,0 +1,117 @@
+"""`steps_per_execution > 1` under a `tf.distribute` strategy (keras-team/keras#19246).
+
+Keras 3.15 runs the steps of one execution in a `tf.while_loop` and each step
+inside a `tf.cond` (run it if the data has a next batch). Under any strategy,
+`MirroredStrategy` included, a step whose optimizer goes through
+`ReplicaContext.merge_call` cannot run inside that `tf.cond`: "You must feed a
+value for placeholder tensor '.../while/cond/Placeholder'", kmix or not.
+
+The loop below never needs that `tf.cond`: its condition already asks whether
+the next batch exists (and whether steps remain), so its body runs the step
+unconditionally and only fetches the next batch in a `tf.cond`. Each step is
+the same `strategy.run` + `reduce_per_replica` as Keras's, so the weights,
+logs and callbacks are those of `steps_per_execution` separate steps.
+Everything else (no strategy, `steps_per_execution=1`, `run_eagerly`, Python
+iterators, `predict`, which has no loop) stays Keras's.
+"""
+
+import logging
+
+import tensorflow as tf
+
+from kmix import _compat
+
+_log = logging.getLogger("kmix")
+_probe = {"keras_has_bug": None, "logged": False}
+
+
+def _keras_has_bug(keras_make_function):
+    """Keras's `_make_function` still traces its steps inside a `tf.cond` (probed once)."""
+    if _probe["keras_has_bug"] is None:
+        bug = _compat.keras_steps_in_cond(keras_make_function)
+        _probe["keras_has_bug"] = bug
+        if not bug:
+            _log.warning(
+                "kmix.distribute.enable_multi_worker_fit: %s; kmix leaves Keras's own "
+                "multi-step loop in place.",
+                "the installed Keras no longer runs steps_per_execution's steps in a tf.cond "
+                "(keras-team/keras#19246)"
+                if bug is False
+                else "Keras's multi-step loop has changed so that kmix cannot tell whether "
+                "keras-team/keras#19246 is fixed",
+            )
+    return bool(_probe["keras_has_bug"])
+
+
+def _multi_step_function(model, step_function):
+    """`function(iterator)` running up to `model.steps_per_execution` steps with no `tf.cond` around them."""
+    strategy = model.distribute_strategy
+    if model.unrolled_steps_per_execution > 1 and not _probe["logged"]:
+        _probe["logged"] = True
+        _log.warning(
+            "kmix: unrolled_steps_per_execution=%d is not applied under a tf.distribute "
+            "strategy; the steps run one per loop iteration.",
+            model.unrolled_steps_per_execution,
+        )
+
+    def one_step_on_data(data):
+        outputs = strategy.run(step_function, args=(data,))
+        # Looked up on each trace: enable_multi_worker_fit may have replaced it.
+        reduce_per_replica = _compat.keras_reduce_per_replica()
+        return reduce_per_replica(outputs, strategy, reduction="auto")
+
+    one_step_on_data = tf.function(one_step_on_data, reduce_retracing=True, jit_compile=model.jit_compile)
+    one_step_on_data = _compat.autoconvert_optionals(model, one_step_on_data)
+
+    def multi_step_on_iterator(iterator):
+        steps = model.steps_per_execution
+        empty_outputs = tf.experimental.Optional.empty(None)  # its spec is set when the body is traced
+
+        def cond(step, outputs, next_inputs):
+            return tf.logical_and(tf.less(step, steps), next_inputs.has_value())
+
+        def body(step, outputs, next_inputs):
+            outputs = tf.experimental.Optional.from_value(one_step_on_data(next_inputs.get_value()))
+            _compat.set_optional_spec(empty_outputs, outputs.element_spec)
+            next_inputs = tf.cond(
+                tf.less(step + 1, steps),
+                iterator.get_next_as_optional,
+                lambda: next_inputs,
+            )
+            return step + 1, outputs, next_inputs
+
+        _, outputs, _ = tf.while_loop(
+            cond, body, loop_vars=[tf.constant(0), empty_outputs, iterator.get_next_as_optional()]
+        )
+        _compat.set_optional_spec(outputs, empty_outputs.element_spec)
+        return outputs
+
+    return tf.function(multi_step_on_iterator, reduce_retracing=True)
+
+
+def make_function_replacement(keras_make_function):
+    """A `TensorFlowTrainer._make_function` that uses the loop above where Keras's fails."""
+
+    def _make_function(self, step_function):
+        keras_function = keras_make_function(self, step_function)
+        if (
+            self.steps_per_execution == 1
+            or self.run_eagerly
+            or _compat.model_distribute_strategy(self) is None
+            or not _keras_has_bug(keras_make_function)
+        ):
+            return keras_function
+        multi_step_on_iterator = _multi_step_function(self, step_function)
+
+        def function(iterator):
+            if not isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator)):
+                return keras_function(iterator)  # a Python iterator: Keras's loop has no tf.cond
+            outputs = multi_step_on_iterator(iterator)
+            if not outputs.has_value():
+                raise StopIteration
+            return outputs.get_value()
+
+        return function
+
+    _make_function.kmix_replaces = keras_make_function
+    return _make_function
