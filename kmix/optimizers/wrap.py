@@ -1,8 +1,13 @@
 """`kmix.wrap(optimizer)`: the one call that makes an optimizer mixed-precision safe."""
 
+import logging
+
 import keras
+import tensorflow as tf
 
 from kmix.optimizers.loss_scale import LossScaleOptimizer
+
+_log = logging.getLogger("kmix")
 
 
 def wrap(optimizer, **kwargs):
@@ -22,6 +27,10 @@ def wrap(optimizer, **kwargs):
         **kwargs: arguments of `kmix.LossScaleOptimizer`; they override the
             policy's defaults.
 
+    Called inside a `tf.distribute.MultiWorkerMirroredStrategy` scope, it also
+    runs `kmix.distribute.enable_multi_worker_fit()` (once), without which
+    Keras 3.15's `fit` fails under that strategy.
+
     Returns:
         A `kmix.LossScaleOptimizer`.
 
@@ -30,6 +39,7 @@ def wrap(optimizer, **kwargs):
     >>> model.compile(optimizer=kmix.wrap(keras.optimizers.AdamW(3e-4)), loss="mse")
     >>> kmix.wrap("adam", hysteresis=2)
     """
+    _enable_multi_worker_fit_in_scope()
     if isinstance(optimizer, LossScaleOptimizer):
         config = optimizer.get_config()
         conflicts = {k: v for k, v in kwargs.items() if k not in config or config[k] != v}
@@ -73,3 +83,12 @@ def _get_optimizer(optimizer):
         "`optimizer` must be a keras.optimizers.Optimizer instance, a name such as 'adam', or "
         f"a config dict. Received: optimizer={optimizer!r} (of type {type(optimizer).__name__})."
     )
+
+
+def _enable_multi_worker_fit_in_scope():
+    from kmix.distribute import enable_multi_worker_fit, multi_worker_fit_enabled
+
+    in_scope = isinstance(tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy)
+    if in_scope and not multi_worker_fit_enabled():
+        enable_multi_worker_fit()
+        _log.info("kmix.wrap: under MultiWorkerMirroredStrategy; enabled kmix.distribute.enable_multi_worker_fit().")

@@ -6,7 +6,7 @@
 two logical CPUs. Both see the same global batches: a `tf.data.Dataset` of
 batches of `GLOBAL_BATCH` rows, split in halves (a worker's or a replica's).
 
-`--scenario all` trains four models one after the other and writes
+`--scenario all` trains five models one after the other and writes
 `<out>/<strategy><index>.npz`:
 - `kmix_*`: mixed_float16, `kmix.wrap(Adam)`, `validation_data` (arrays), a
   last partial batch, an inf in worker 1's half of one batch; then `evaluate`
@@ -17,9 +17,10 @@ batches of `GLOBAL_BATCH` rows, split in halves (a worker's or a replica's).
 - `keras_*`, `subclass_*`: the same fit with Keras's own `LossScaleOptimizer`
   and with a user subclass of it.
 - `backup_*`: `EPOCHS` epochs with `BackupAndRestore(save_freq="epoch")`.
-`--scenario backup` trains only the last one; `--die-at EPOCH:BATCH` makes
-worker 1 SIGKILL itself after that batch (its backup is the end of the epoch
-before).
+`--scenario backup` trains only the last one, without calling
+`enable_multi_worker_fit` (`kmix.wrap` in the strategy's scope does);
+`--die-at EPOCH:BATCH` makes worker 1 SIGKILL itself after that batch (its
+backup is the end of the epoch before).
 """
 
 import argparse
@@ -94,8 +95,10 @@ def main():
 
     tf.config.experimental.enable_op_determinism()
     keras.config.set_dtype_policy("mixed_float16")
-    # Also in the reference: it makes Keras's own LossScaleOptimizer decide on all replicas.
-    kmix.distribute.enable_multi_worker_fit()
+    if args.scenario == "all":
+        # Also in the reference: it makes Keras's own LossScaleOptimizer decide on all replicas.
+        kmix.distribute.enable_multi_worker_fit()
+    # --scenario backup relies on kmix.wrap, called in the strategy's scope, to enable it.
     if args.strategy == "multi_worker":
         index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -170,6 +173,7 @@ def main():
         backup = os.path.join(args.backup_root, f"{args.strategy}{index}")
         callbacks.insert(0, keras.callbacks.BackupAndRestore(backup, save_freq="epoch"))
     model.fit(batches(x, y), epochs=EPOCHS, verbose=0, callbacks=callbacks)
+    print(f"{args.strategy} {index}: enabled {kmix.distribute.multi_worker_fit_enabled()}", flush=True)
     state.update(optimizer_state(keras, "backup", model, model.optimizer))
 
     os.makedirs(args.out, exist_ok=True)

@@ -140,6 +140,8 @@ def test_backup_and_restore_after_a_worker_is_killed(runs):
     # The restarted workers began at epoch 1 (restored), not at epoch 0.
     for log in runs["resumed_logs"]:
         assert "epoch 1 begins" in log and "epoch 0 begins" not in log, log[-2000:]
+        # This scenario never calls enable_multi_worker_fit: kmix.wrap in the scope did.
+        assert "multi_worker 0: enabled True" in log or "multi_worker 1: enabled True" in log
     assert "epoch 1 begins" in runs["killed_logs"][1]
 
 
