@@ -233,9 +233,9 @@ def optimizer_variable_key(optimizer, variable):
 # `steps_per_execution > 1` under any `tf.distribute` strategy (keras-team/keras#19246), used
 # only by kmix/distribute/multi_step.py. Keras's `TensorFlowTrainer._make_function` runs
 # each step of a multi-step execution inside a `tf.cond` (to stop at the end of the data);
-# under a strategy an optimizer update there fails ("You must feed a value for placeholder
-# tensor '.../while/cond/Placeholder'"). The method, the optional-to-None wrapper it applies
-# to steps, and the spec an empty `tf.experimental.Optional` is created with are private.
+# a collective all-reduce there fails ("You must feed a value for placeholder tensor
+# '.../while/cond/Placeholder'"). The method, the optional-to-None wrapper it applies to
+# steps, and the spec an empty `tf.experimental.Optional` is created with are private.
 
 def keras_make_function():
     """Keras's `TensorFlowTrainer._make_function` as it is installed now."""

@@ -1,10 +1,11 @@
 """`steps_per_execution > 1` under a `tf.distribute` strategy (keras-team/keras#19246).
 
 Keras 3.15 runs the steps of one execution in a `tf.while_loop` and each step
-inside a `tf.cond` (run it if the data has a next batch). Under any strategy,
-`MirroredStrategy` included, a step whose optimizer goes through
-`ReplicaContext.merge_call` cannot run inside that `tf.cond`: "You must feed a
-value for placeholder tensor '.../while/cond/Placeholder'", kmix or not.
+inside a `tf.cond` (run it if the data has a next batch). A collective
+all-reduce inside that `tf.cond` fails: "You must feed a value for placeholder
+tensor '.../while/cond/Placeholder'", kmix or not, with a plain `Adam` too.
+`MultiWorkerMirroredStrategy` always all-reduces with collectives, and so does
+`MirroredStrategy` by default on CPUs.
 
 The loop below never needs that `tf.cond`: its condition already asks whether
 the next batch exists (and whether steps remain), so its body runs the step
