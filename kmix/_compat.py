@@ -308,3 +308,18 @@ def keras_steps_in_cond(make_function):
     except Exception:  # noqa: BLE001 - any other failure means the code changed shape
         return None
     return any(seen) if seen else None
+
+
+def onednn_enabled():
+    """Whether TensorFlow runs its CPU kernels and CPU allocator through oneDNN in this process.
+
+    `python -m kmix bench memory` reads the CPU allocator's statistics, which
+    TensorFlow's default CPU allocator keeps only when oneDNN is on (by default
+    only on CPUs with AVX-512 and the like); otherwise the benchmark switches to
+    the BFC allocator before TensorFlow's runtime starts. TensorFlow decides
+    this from the CPU and `TF_ENABLE_ONEDNN_OPTS` and exposes the answer only
+    through this private module.
+    """
+    from tensorflow.python.util import _pywrap_util_port
+
+    return bool(_pywrap_util_port.IsMklEnabled())

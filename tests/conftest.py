@@ -3,6 +3,10 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The same CPU kernels and allocator on every machine: TensorFlow turns oneDNN on by default
+# only on CPUs with AVX-512 and the like, and without it the CPU allocator keeps no statistics
+# (the memory tests read them). Read when TensorFlow is imported.
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 import keras  # noqa: E402
 import pytest  # noqa: E402

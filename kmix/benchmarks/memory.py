@@ -35,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 import kmix
+from kmix import _compat
 from kmix.benchmarks.common import format_table, median, progress, time_call
 from kmix.benchmarks.gpt import PositionEmbedding
 
@@ -87,6 +88,21 @@ def build_model(layers, d_model, heads, seq, vocab, remat):
     return keras.Model(tokens, logits, name="gpt_blocks")
 
 
+def use_a_cpu_allocator_with_statistics():
+    """Makes TensorFlow's CPU allocator keep the statistics `measure` reads; returns which one it is.
+
+    With oneDNN on, its allocator keeps them (and sees no tensor under
+    256 KiB). Without it, TensorFlow's default CPU allocator keeps none, so
+    the BFC allocator is asked for (`TF_CPU_ALLOCATOR_USE_BFC`), which sees
+    every tensor and rounds its chunks up. That variable is read when
+    TensorFlow's runtime starts: here it works only before the first op.
+    """
+    if _compat.onednn_enabled():
+        return "oneDNN's (tensors under 256 KiB not seen)"
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+    return "BFC (every tensor, chunks rounded up)"
+
+
 def device_name():
     """The device whose allocator is measured: `"GPU:0"` if there is one, else `"CPU:0"`."""
     return "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
@@ -99,7 +115,14 @@ def measure(config, size, steps, jit_compile):
     gc.collect()
     device = device_name()
     spec = kmix.Policy(policy, half=half) if half else kmix.Policy(policy)
-    baseline = tf.config.experimental.get_memory_info(device)["current"]
+    try:
+        baseline = tf.config.experimental.get_memory_info(device)["current"]
+    except ValueError as e:  # TensorFlow started before use_a_cpu_allocator_with_statistics
+        raise RuntimeError(
+            f"TensorFlow's allocator on {device} keeps no statistics ({e}). Run the benchmark in a "
+            "new process (`python -m kmix bench memory`), or set TF_CPU_ALLOCATOR_USE_BFC=true (or "
+            "TF_ENABLE_ONEDNN_OPTS=1) in the environment before Python starts."
+        ) from None
     with tf.device(device), kmix.policy_scope(spec):
         model = build_model(size["layers"], size["d_model"], size["heads"], size["seq"], size["vocab"], remat)
         # beta_2 = 0.99: Keras's default 0.999 is 1.0 in bfloat16, where the "kahan" row's
@@ -228,6 +251,7 @@ def main(argv=None):
         parser.error(f"--heads must divide --d-model; received --d-model {args.d_model} --heads {args.heads}")
     size = {k: getattr(args, k) for k in ("layers", "d_model", "heads", "seq", "batch", "vocab")}
     device = device_name()
+    allocator = use_a_cpu_allocator_with_statistics() if device.startswith("CPU") else None
     start = time.perf_counter()
     logger, level = tf.get_logger(), tf.get_logger().level
     logger.setLevel("ERROR")
@@ -247,6 +271,7 @@ def main(argv=None):
     print("peak: allocator peak over one optimizer step (weights and optimizer state included); state: "
           "allocated between steps; state (report): kmix.memory_report's prediction of it.")
     if device.startswith("CPU"):
+        print(f"CPU allocator: {allocator}.")
         print("On a CPU half-precision math is slower than float32: the time ratios say nothing about a GPU.")
     path = None
     if not args.no_plot:

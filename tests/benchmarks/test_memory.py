@@ -43,3 +43,19 @@ def test_quick_run_prints_the_table_and_its_figures_add_up(tmp_path, capsys):
 def test_bad_arguments():
     with pytest.raises(SystemExit):
         memory.main(["--batch", "3", "--no-plot"])
+
+
+def test_an_allocator_without_statistics_gets_a_clear_error(monkeypatch):
+    def no_statistics(device):
+        raise ValueError(f"Allocator stats not available for device '{device}'")
+
+    monkeypatch.setattr(memory.tf.config.experimental, "get_memory_info", no_statistics)
+    size = {"layers": 1, "d_model": 8, "heads": 2, "seq": 4, "batch": 2, "vocab": 16}
+    with pytest.raises(RuntimeError, match="keeps no statistics .*TF_CPU_ALLOCATOR_USE_BFC=true"):
+        memory.measure(memory.CONFIGS[0], size, steps=1, jit_compile=False)
+
+
+def test_the_cpu_allocator_is_one_that_keeps_statistics():
+    # tests/conftest.py turns oneDNN on; its allocator keeps statistics, so nothing is changed.
+    assert memory.use_a_cpu_allocator_with_statistics().startswith("oneDNN")
+    assert "current" in memory.tf.config.experimental.get_memory_info("CPU:0")
