@@ -23,32 +23,42 @@ import tensorflow as tf
 from kmix import _compat
 
 _log = logging.getLogger("kmix")
-_probe = {"keras_has_bug": None, "logged": False}
+_keras_has_bug = {}  # Keras's _make_function -> probe result (True, False or None)
+_warned_unrolled = []
 
 
-def _keras_has_bug(keras_make_function):
+def log_if_keras_fixed(part, bug, issue):
+    """Logs (WARNING) that Keras's `part` stays in place because `bug` is False (fixed) or None (unknown)."""
+    if bug is False:
+        _log.warning(
+            "kmix.distribute.enable_multi_worker_fit: the installed Keras no longer has the %s bug "
+            "of %s; kmix leaves Keras's own code in place.",
+            part,
+            issue,
+        )
+    elif bug is None:
+        _log.warning(
+            "kmix.distribute.enable_multi_worker_fit: Keras's %s has changed so that kmix cannot "
+            "tell whether %s is fixed; kmix leaves Keras's own code in place.",
+            part,
+            issue,
+        )
+
+
+def _keras_still_has_bug(keras_make_function):
     """Keras's `_make_function` still traces its steps inside a `tf.cond` (probed once)."""
-    if _probe["keras_has_bug"] is None:
+    if keras_make_function not in _keras_has_bug:
         bug = _compat.keras_steps_in_cond(keras_make_function)
-        _probe["keras_has_bug"] = bug
-        if not bug:
-            _log.warning(
-                "kmix.distribute.enable_multi_worker_fit: %s; kmix leaves Keras's own "
-                "multi-step loop in place.",
-                "the installed Keras no longer runs steps_per_execution's steps in a tf.cond "
-                "(keras-team/keras#19246)"
-                if bug is False
-                else "Keras's multi-step loop has changed so that kmix cannot tell whether "
-                "keras-team/keras#19246 is fixed",
-            )
-    return bool(_probe["keras_has_bug"])
+        _keras_has_bug[keras_make_function] = bug
+        log_if_keras_fixed("multi-step loop", bug, "keras-team/keras#19246")
+    return bool(_keras_has_bug[keras_make_function])
 
 
 def _multi_step_function(model, step_function):
     """`function(iterator)` running up to `model.steps_per_execution` steps with no `tf.cond` around them."""
     strategy = model.distribute_strategy
-    if model.unrolled_steps_per_execution > 1 and not _probe["logged"]:
-        _probe["logged"] = True
+    if model.unrolled_steps_per_execution > 1 and not _warned_unrolled:
+        _warned_unrolled.append(True)
         _log.warning(
             "kmix: unrolled_steps_per_execution=%d is not applied under a tf.distribute "
             "strategy; the steps run one per loop iteration.",
@@ -99,7 +109,7 @@ def make_function_replacement(keras_make_function):
             self.steps_per_execution == 1
             or self.run_eagerly
             or _compat.model_distribute_strategy(self) is None
-            or not _keras_has_bug(keras_make_function)
+            or not _keras_still_has_bug(keras_make_function)
         ):
             return keras_function
         multi_step_on_iterator = _multi_step_function(self, step_function)

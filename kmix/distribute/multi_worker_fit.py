@@ -130,19 +130,7 @@ def enable_multi_worker_fit():
     keras_loss_scale.install()
     _state["enabled"] = True
     for part, bug in bugs.items():
-        if bug is False:
-            _log.warning(
-                "kmix.distribute.enable_multi_worker_fit: the installed Keras no longer has "
-                "the %s bug of keras-team/keras#20585; kmix leaves Keras's own code in place.",
-                part,
-            )
-        elif bug is None:
-            _log.warning(
-                "kmix.distribute.enable_multi_worker_fit: Keras's %s has changed so that kmix "
-                "cannot tell whether keras-team/keras#20585 is fixed; kmix leaves Keras's own "
-                "code in place.",
-                part,
-            )
+        multi_step.log_if_keras_fixed(part, bug, "keras-team/keras#20585")
     return _state["enabled"]
 
 

@@ -10,6 +10,7 @@ under `MirroredStrategy`.
 """
 
 import json
+import types
 
 import keras
 import numpy as np
@@ -169,19 +170,34 @@ def test_probe_sees_both_bugs_in_this_keras_and_none_in_fixed_code():
     }
 
 
+def _fixed_make_function(model, step_function):
+    """A `_make_function` as Keras might fix it: the step outside any tf.cond."""
+
+    @tf.function
+    def multi_step(iterator):
+        return model.distribute_strategy.run(step_function, args=(iterator.get_next(),))
+
+    return multi_step
+
+
 def test_probe_sees_steps_traced_inside_a_cond():
     if keras.__version__ == "3.15.1":
         assert _compat.keras_steps_in_cond(_compat.keras_make_function()) is True
-
-    def fixed_make_function(model, step_function):  # the step outside any tf.cond
-        @tf.function
-        def multi_step(iterator):
-            return model.distribute_strategy.run(step_function, args=(iterator.get_next(),))
-
-        return multi_step
-
-    assert _compat.keras_steps_in_cond(fixed_make_function) is False
+    assert _compat.keras_steps_in_cond(_fixed_make_function) is False
     assert _compat.keras_steps_in_cond(lambda *a: 1 / 0) is None
+
+
+def test_a_fixed_keras_keeps_its_own_loop_and_says_so(caplog):
+    from kmix.distribute import multi_step
+
+    model = types.SimpleNamespace(
+        steps_per_execution=2, run_eagerly=False, _distribute_strategy=tf.distribute.get_strategy()
+    )
+    make_function = multi_step.make_function_replacement(_fixed_make_function)
+    with caplog.at_level("WARNING", logger="kmix"):
+        function = make_function(model, lambda data: data)
+    assert function.__qualname__.startswith("_fixed_make_function.")  # Keras's (here, the fixed) loop
+    assert "no longer has the multi-step loop bug of keras-team/keras#19246" in caplog.text
 
 
 def _installed():
