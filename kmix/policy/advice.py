@@ -1,0 +1,67 @@
+"""What kmix learned about a model when it placed it, for the optimizer that trains it.
+
+`kmix.autocast` records here, per trainable variable, the dtype its layer
+computes in, and (with `sample=`) the initial loss scale the diagnosis
+advises. `kmix.LossScaleOptimizer.build` looks its variables up, so that an
+optimizer wrapped outside `kmix.policy_scope` still scales the loss of a
+model whose layers compute in float16, and starts from the advised scale.
+
+Variables are unhashable, so entries are keyed by `id()` and hold a weak
+reference that tells a live variable from a later one that reuses the id.
+"""
+
+import weakref
+
+_COMPUTE = {}  # id(variable) -> (weakref, compute dtype of the layer that owns it)
+_SCALE = {}  # id(variable) -> (weakref, advised initial loss scale)
+_LEVEL_SCALE = {}  # policy name -> the initial scale last advised under it
+
+
+def record(variables_by_dtype, initial_scale=None, policy_name=None):
+    """Records the compute dtype of each variable's layer and an advised scale.
+
+    Args:
+        variables_by_dtype: pairs `(variable, compute_dtype)`.
+        initial_scale: the initial loss scale advised for these variables, or None.
+        policy_name: the name of the policy the model was placed under
+            (`kmix.Policy.name`); `kmix.wrap` under that policy then uses
+            `initial_scale` as its default.
+    """
+    variables = []
+    for variable, dtype in variables_by_dtype:
+        _put(_COMPUTE, variable, str(dtype))
+        variables.append(variable)
+    if initial_scale is not None:
+        for variable in variables:
+            _put(_SCALE, variable, float(initial_scale))
+        if policy_name is not None:
+            _LEVEL_SCALE[policy_name] = float(initial_scale)
+
+
+def compute_dtypes(variables):
+    """The set of compute dtypes recorded for `variables` (empty when none were)."""
+    found = (_get(_COMPUTE, v) for v in variables)
+    return {dtype for dtype in found if dtype is not None}
+
+
+def initial_scale(variables=None, policy_name=None):
+    """The largest initial scale advised for `variables`, else for `policy_name`, else None."""
+    if variables is not None:
+        scales = [s for s in (_get(_SCALE, v) for v in variables) if s is not None]
+        if scales:
+            return max(scales)
+    if policy_name is not None:
+        return _LEVEL_SCALE.get(policy_name)
+    return None
+
+
+def _put(table, variable, value):
+    key = id(variable)
+    table[key] = (weakref.ref(variable, lambda _, k=key, t=table: t.pop(k, None)), value)
+
+
+def _get(table, variable):
+    entry = table.get(id(variable))
+    if entry is None or entry[0]() is not variable:
+        return None
+    return entry[1]
