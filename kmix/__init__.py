@@ -1,9 +1,11 @@
 """kmix: safe and fast mixed-precision training for Keras 3 (TensorFlow backend).
 
     import keras, kmix
-    model = kmix.autocast(model, "O1")
-    with kmix.policy_scope("O1"):
-        model.compile(optimizer=kmix.wrap(keras.optimizers.AdamW(3e-4)), loss=...)
+    rec = kmix.recommend()                      # measured here: policy and jit_compile
+    model = kmix.autocast(model, rec.policy)
+    with kmix.policy_scope(rec.policy):
+        model.compile(optimizer=kmix.wrap(keras.optimizers.AdamW(3e-4)), loss=...,
+                      jit_compile=rec.jit_compile)
 """
 
 __version__ = "0.1.0"
@@ -20,11 +22,13 @@ from kmix.policy import (  # noqa: E402
     policy_scope,
     set_policy,
 )
+from kmix.recommendation import Recommendation, recommend  # noqa: E402
 
 __all__ = [
     "Diagnosis",
     "LossScaleOptimizer",
     "Policy",
+    "Recommendation",
     "__version__",
     "active_policy",
     "autocast",
@@ -36,6 +40,7 @@ __all__ = [
     "ops",
     "policy_map",
     "policy_scope",
+    "recommend",
     "schedules",
     "set_policy",
     "wrap",

@@ -9,43 +9,10 @@ import tensorflow as tf
 
 import kmix
 from kmix import doctor
+from kmix.recommendation import Recommendation
 
-# (compute capabilities, policy, loss scaling, words the reason must contain)
-CASES = [
-    ([(9, 0)], "mixed_bfloat16", False, ["9.0", "bfloat16 tensor cores", "no loss scaling"]),
-    ([(8, 0)], "mixed_bfloat16", False, ["8.0", "bfloat16 tensor cores"]),
-    ([(8, 9), (8, 6)], "mixed_bfloat16", False, ["8.6", "oldest"]),
-    ([(7, 5)], "mixed_float16", True, ["7.5", "float16 tensor cores", "loss scaling"]),
-    ([(7, 0)], "mixed_float16", True, ["7.0"]),
-    ([(9, 0), (7, 0)], "mixed_float16", True, ["7.0", "oldest"]),
-    ([(6, 1)], "float32", False, ["6.1", "no tensor cores"]),
-    ([], "float32", False, ["No GPU", "CPU"]),
-    ([None], "float32", False, ["compute capability", "bench train"]),
-]
-
-
-@pytest.mark.parametrize("ccs, policy, loss_scaling, words", CASES)
-def test_recommend_policy(ccs, policy, loss_scaling, words):
-    rec = doctor.recommend_policy(ccs)
-    assert rec.policy == policy
-    assert rec.loss_scaling is loss_scaling
-    for word in words:
-        assert word in rec.reason, (word, rec.reason)
-
-
-def test_recommended_policy_is_one_kmix_accepts():
-    for ccs, _, loss_scaling, _ in CASES:
-        policy = kmix.Policy(doctor.recommend_policy(ccs).policy)
-        # The recommendation's loss-scaling flag agrees with the policy's own.
-        assert policy.needs_loss_scaling is loss_scaling
-
-
-def test_tensor_cores():
-    assert doctor.tensor_cores(None) == {"float16": False, "bfloat16": False}
-    assert doctor.tensor_cores((6, 0)) == {"float16": False, "bfloat16": False}
-    assert doctor.tensor_cores((7, 5)) == {"float16": True, "bfloat16": False}
-    assert doctor.tensor_cores((8, 0)) == {"float16": True, "bfloat16": True}
-    assert doctor.tensor_cores((10, 0)) == {"float16": True, "bfloat16": True}
+def _recommendation(policy="mixed_bfloat16", jit=True):
+    return Recommendation(policy, jit, ("a reason",), policy == "mixed_float16", None)
 
 
 def test_report_for_a_gpu():
@@ -59,11 +26,11 @@ def test_report_for_a_gpu():
         "tf32": True,
         "xla": "yes",
     }
-    text = doctor.format_report(facts, doctor.recommend_policy([(9, 0)]))
+    text = doctor.format_report(facts, _recommendation())
     assert "NVIDIA H200" in text
     assert "compute capability      9.0" in text
     assert "bfloat16 tensor cores   yes" in text
-    assert "kmix.set_policy('mixed_bfloat16')" in text
+    assert "kmix.autocast(model, 'mixed_bfloat16')" in text and "jit_compile=True" in text
 
 
 def test_main_prints_versions_and_recommendation(capsys):
@@ -80,11 +47,13 @@ def test_main_prints_versions_and_recommendation(capsys):
     gpus = tf.config.list_physical_devices("GPU")
     assert len(result["facts"]["gpus"]) == len(gpus)
     assert result["facts"]["xla"].startswith("yes")
-    expected = doctor.recommend_policy([g["compute_capability"] for g in result["facts"]["gpus"]])
-    assert result["recommendation"] == expected
-    assert "Recommended policy\n  " + expected.policy in out
-    if not gpus:
-        assert "No GPU found" in out
+    rec = result["recommendation"]
+    # The printed route is the one kmix.recommend measured, with its figures.
+    assert f"Recommended: policy {rec.policy!r}, jit_compile={rec.jit_compile}" in out
+    assert "Measured on" in out and "tf.function" in out
+    cpu = result["facts"]["cpu_features"]
+    if cpu["source"]:
+        assert f"AVX512_BF16  {'yes' if cpu['avx512_bf16'] else 'no'}" in out
 
 
 def _facts(gpus, tf32=True, built_with_cuda=True, visible=None, driver=None):
@@ -103,7 +72,7 @@ def test_tf32_is_reported_only_for_a_gpu_that_has_it():
     assert line([{"name": "H100", "compute_capability": (9, 0)}], tf32=False).startswith("disabled")
     two = [{"name": "A100", "compute_capability": (8, 0)}, {"name": "V100", "compute_capability": (7, 0)}]
     assert line(two).startswith("enabled on GPU 0 ")
-    report = doctor.format_report(_facts([]), doctor.recommend_policy([]))
+    report = doctor.format_report(_facts([]), _recommendation("float32", False))
     assert "TF32        not applicable" in report and "TF32        enabled" not in report
 
 
@@ -116,7 +85,7 @@ def test_why_a_cuda_build_sees_no_gpu():
     assert "no NVIDIA driver" in doctor.why_no_gpu(_facts([]))
     reason = doctor.why_no_gpu(_facts([], visible="3", driver="NVRM version: 550"))
     assert "driver is loaded" in reason and "CUDA_VISIBLE_DEVICES='3'" in reason
-    report = doctor.format_report(_facts([], visible=""), doctor.recommend_policy([]))
+    report = doctor.format_report(_facts([], visible=""), _recommendation("float32", False))
     assert "CUDA_VISIBLE_DEVICES is set to ''" in report
 
 

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
+from kmix import device
 from kmix.diagnose import data, graph, probe, report
 from kmix.policy import Policy
 
@@ -46,8 +47,10 @@ def diagnose(model, x, y=None, policy="mixed_float16", batches=4, batch_size=32,
         batches: how many batches to run, an int >= 1.
         batch_size: the batch size for array inputs.
         bfloat16_available: whether the device that will train has bfloat16
-            tensor cores; None asks this machine's GPUs (compute capability
-            8.0 or later). Only `recommended_policy` depends on it.
+            hardware; None asks this machine (`kmix.device.fast_bfloat16()`:
+            GPUs of compute capability 8.0 or later, or with no GPU a CPU
+            with AVX512_BF16 or AMX-BF16 and oneDNN on). Only
+            `recommended_policy` depends on it.
 
     Returns:
         A `kmix.Diagnosis`: `first_nonfinite_layer`, `float32_layers` (names
@@ -269,7 +272,7 @@ def _decide(model, policy, run, flaky, masks, bfloat16_available, n_batches):
     else:
         scale = None
     if bfloat16_available is None:
-        bfloat16_available = _device_has_bfloat16()
+        bfloat16_available = device.fast_bfloat16()
     overflow = any(reasons.get(n) in ("output", "input", "inside") for n in nodes)
     if half == "float16" and overflow and bfloat16_available:
         recommended = Policy("mixed_bfloat16")
@@ -317,20 +320,3 @@ def _verdict(node, row, first, reasons, origins):
     if node.kept:
         words.append("kept (WithPolicy)")
     return ", ".join(words) or "ok"
-
-
-def _device_has_bfloat16():
-    from kmix.doctor import tensor_cores
-
-    gpus = tf.config.list_physical_devices("GPU")
-    if not gpus:
-        return False
-    for gpu in gpus:
-        try:
-            cc = tf.config.experimental.get_device_details(gpu).get("compute_capability")
-        except (ValueError, RuntimeError):
-            cc = None
-        if not tensor_cores(cc)["bfloat16"]:
-            return False
-    return True
-

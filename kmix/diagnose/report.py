@@ -56,8 +56,8 @@ class Diagnosis:
             that keeps the largest gradient 8x below the half maximum (1.0
             under bfloat16; None when no gradient was nonzero).
         recommended_policy: a `kmix.Policy`: `mixed_bfloat16` when
-            activations overflow float16 and the device has bfloat16 tensor
-            cores; O1 (with `float32_layers`) when some layer must stay in
+            activations overflow float16 and the device has bfloat16
+            hardware; O1 (with `float32_layers`) when some layer must stay in
             float32; otherwise `policy`.
         findings: one line per finding, each naming the layer and the fix.
         half_error: `(layer path, exception)` when the model raised under
@@ -194,12 +194,12 @@ class Diagnosis:
         rec = self.recommended_policy
         if rec.compute_dtype == "bfloat16" and self.policy.compute_dtype == "float16":
             return ("Recommended policy: mixed_bfloat16. Activations overflow float16, and the device has "
-                    "bfloat16 tensor cores; bfloat16 has float32's range.")
+                    "bfloat16 hardware; bfloat16 has float32's range.")
         if self.float32_layers:
             overflow = any(r in ("output", "input", "inside") for r, _ in self._reasons.values())
             device = "" if not overflow or self._bfloat16 or self.policy.compute_dtype == "bfloat16" else (
                 " (bfloat16, float32's range, would avoid the overflow, but this device has no bfloat16 "
-                "tensor cores)")
+                "hardware: no GPU tensor cores of compute capability 8.0+, no CPU AVX512_BF16 / AMX-BF16)")
             return f"Recommended policy: {rec.name} with the float32 layers above{device}."
         return (f"Nothing alarming: no layer overflows {self.policy.compute_dtype} and every output stays "
                 f"finite under {self.policy.name}. Recommended policy: {rec.name} with kmix.wrap.")

@@ -1,0 +1,281 @@
+"""Device facts and a measured probe: what `kmix.recommend`, `doctor` and `diagnose` read.
+
+Facts explain; the probe decides. The facts are the GPUs' compute
+capabilities (and so their tensor cores), the CPU's model and the features
+that matter for half precision (AVX512_BF16, AMX-BF16, AVX512_FP16, read
+from `/proc/cpuinfo` where it exists, "unknown" elsewhere), and whether
+TensorFlow runs its CPU kernels through oneDNN. The probe times the
+training step of a transformer's MLP (`x + gelu(x @ w1 + b1) @ w2`, forward
+and backward: six matmuls, a bias, a GELU and a residual add) in float32,
+bfloat16 and float16, as a `tf.function` and under XLA, on the device TensorFlow places it on; a few
+seconds in all, cached per process and size.
+
+    >>> from kmix import device
+    >>> device.cpu_features()["avx512_bf16"]
+    True
+    >>> print(device.probe())       # GFLOP/s per dtype, tf.function and XLA
+"""
+
+import dataclasses
+import functools
+import os
+import platform
+import time
+
+FLOAT16_TENSOR_CORES = (7, 0)  # Volta
+BFLOAT16_TENSOR_CORES = (8, 0)  # Ampere
+DTYPES = ("float32", "bfloat16", "float16")
+CPU_FLAGS = {  # /proc/cpuinfo flag -> what it gives half precision
+    "avx512_bf16": "bfloat16 dot products (oneDNN's bfloat16 matmuls)",
+    "amx_bf16": "AMX bfloat16 tiles (Sapphire Rapids and later)",
+    "avx512_fp16": "float16 arithmetic (Sapphire Rapids and later)",
+    "avx512f": "AVX-512 (oneDNN on by default in TensorFlow)",
+}
+
+
+def tensor_cores(compute_capability):
+    """Which half-precision dtypes have tensor cores at `compute_capability`.
+
+    Args:
+        compute_capability: `(major, minor)`, or None when unknown (no GPU).
+
+    Returns:
+        `{"float16": bool, "bfloat16": bool}`.
+
+    Example:
+        >>> tensor_cores((7, 5))
+        {'float16': True, 'bfloat16': False}
+    """
+    if compute_capability is None:
+        return {"float16": False, "bfloat16": False}
+    cc = tuple(compute_capability)
+    return {"float16": cc >= FLOAT16_TENSOR_CORES, "bfloat16": cc >= BFLOAT16_TENSOR_CORES}
+
+
+def cpu_features(cpuinfo_path="/proc/cpuinfo"):
+    """The CPU's model and the features that matter for half precision.
+
+    Args:
+        cpuinfo_path: where to read them (Linux's `/proc/cpuinfo`).
+
+    Returns:
+        A dict: `model` (a string), `source` (the path, or None where it
+        could not be read), and one entry per flag of `CPU_FLAGS`: True,
+        False, or None when unknown (no `/proc/cpuinfo`: macOS, Windows).
+    """
+    try:
+        with open(cpuinfo_path) as f:
+            text = f.read()
+    except OSError:
+        return {"model": platform.processor() or platform.machine() or "unknown", "source": None,
+                **{flag: None for flag in CPU_FLAGS}}
+    model, flags = None, set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and model is None:
+            model = value.strip()
+        elif key in ("flags", "Features") and not flags:
+            flags = set(value.split())
+    return {"model": model or platform.machine() or "unknown", "source": cpuinfo_path,
+            **{flag: flag in flags for flag in CPU_FLAGS}}
+
+
+def gpus():
+    """One dict per GPU TensorFlow sees: `name` and `compute_capability` (`(major, minor)` or None)."""
+    import tensorflow as tf
+
+    found = []
+    for device in tf.config.list_physical_devices("GPU"):
+        try:
+            details = tf.config.experimental.get_device_details(device)
+        except (ValueError, RuntimeError):
+            details = {}
+        found.append({"name": details.get("device_name", device.name),
+                      "compute_capability": details.get("compute_capability")})
+    return found
+
+
+def onednn_enabled():
+    """Whether TensorFlow runs its CPU kernels through oneDNN in this process."""
+    from kmix._compat import onednn_enabled as enabled
+
+    return enabled()
+
+
+def fast_bfloat16():
+    """Whether this device has bfloat16 hardware, from the facts alone (no timing).
+
+    True with GPUs that all have bfloat16 tensor cores (compute capability
+    8.0+), or with no GPU and a CPU with AVX512_BF16 or AMX-BF16 and oneDNN
+    on. `kmix.recommend` measures instead; this is for advice that must not
+    cost a probe (`kmix.diagnose`).
+    """
+    found = gpus()
+    if found:
+        return all(tensor_cores(g["compute_capability"])["bfloat16"] for g in found)
+    cpu = cpu_features()
+    return bool(cpu["avx512_bf16"] or cpu["amx_bf16"]) and onednn_enabled()
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """Measured throughput of a transformer MLP's training step per dtype and compilation.
+
+    Attributes:
+        device: where it ran (`"CPU"` or a GPU's name).
+        shape: `(m, k, n)`: `x + gelu(x @ w1 + b1) @ w2` with `x` of shape
+            `(m, k)`, `w1` of shape `(k, n)` and `w2` of shape `(n, k)`.
+        gflops: `{(dtype, jit_compile): GFLOP/s}` (matmul FLOPs, forward
+            and backward, `12*m*k*n` per step, over the fastest step), for every dtype of `DTYPES`
+            and both compilations.
+        seconds: how long the probe took.
+    """
+
+    device: str
+    shape: tuple
+    gflops: dict
+    seconds: float = 0.0
+
+    def rate(self, dtype, jit_compile):
+        """GFLOP/s of `dtype` as a `tf.function` (`jit_compile=False`) or under XLA."""
+        return self.gflops[(dtype, bool(jit_compile))]
+
+    def best(self, dtype):
+        """`(GFLOP/s, jit_compile)` of `dtype`'s faster compilation."""
+        return max((self.rate(dtype, jit), jit) for jit in (False, True))
+
+    def __str__(self):
+        m, k, n = self.shape
+        lines = [f"training step of x + gelu(x @ w1 + b1) @ w2, x {m}x{k}, w1 {k}x{n}, on {self.device} "
+                 f"({self.seconds:.1f} s): GFLOP/s"]
+        lines.append(f"  {'dtype':<9} {'tf.function':>11} {'XLA':>7}")
+        for dtype in DTYPES:
+            lines.append(f"  {dtype:<9} {self.rate(dtype, False):>11.0f} {self.rate(dtype, True):>7.0f}")
+        return "\n".join(lines)
+
+
+def probe(shape=None, budget=0.25):
+    """Times the training step of `x + gelu(x @ w1 + b1) @ w2` per dtype, as a `tf.function` and under XLA; cached per shape.
+
+    Args:
+        shape: `(m, k, n)`; by default `(1024, 512, 2048)` on a CPU (a
+            d_model 512 MLP over 1024 tokens) and
+            `(8192, 4096, 4096)` on a GPU (large enough for tensor cores).
+        budget: seconds of timed calls per configuration (after one warm-up call).
+
+    Returns:
+        A `Probe`. Six configurations, a few seconds in all on a CPU.
+    """
+    import tensorflow as tf
+
+    on_gpu = bool(tf.config.list_physical_devices("GPU"))
+    if shape is None:
+        shape = (8192, 4096, 4096) if on_gpu else (1024, 512, 2048)
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != 3 or min(shape) < 1:
+        raise ValueError(f"`shape` must be three positive ints (m, k, n). Received: shape={shape!r}")
+    return _probe(shape, float(budget), on_gpu)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(shape, budget, on_gpu):
+    import tensorflow as tf
+
+    start = time.perf_counter()
+    m, k, n = shape
+    gen = tf.random.Generator.from_seed(0)
+    tensors32 = (gen.normal((m, k)), gen.normal((k, n), stddev=k**-0.5), tf.zeros((n,)),
+                 gen.normal((n, k), stddev=n**-0.5))
+    gflops = {}
+    for dtype in DTYPES:
+        tensors = [tf.cast(t, dtype) for t in tensors32]
+        for jit in (False, True):
+            fn = tf.function(_train_step, jit_compile=jit)
+            gflops[(dtype, jit)] = 12 * m * k * n / _seconds_per_call(fn, tensors, budget) / 1e9
+    where = gpus()[0]["name"] if on_gpu else f"CPU ({cpu_features()['model']})"
+    return Probe(where, shape, gflops, time.perf_counter() - start)
+
+
+def _train_step(x, w1, b1, w2):
+    """The gradients of a float32 loss of the MLP with respect to its input and weights."""
+    import tensorflow as tf
+
+    with tf.GradientTape() as tape:
+        tape.watch([x, w1, b1, w2])
+        y = x + tf.matmul(tf.nn.gelu(tf.matmul(x, w1) + b1), w2)
+        loss = tf.reduce_mean(tf.square(tf.cast(y, tf.float32)))
+    return tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in tape.gradient(loss, [x, w1, b1, w2])])
+
+
+def _seconds_per_call(fn, tensors, budget):
+    """The fastest call's seconds (the least disturbed on a shared machine), over `budget` seconds."""
+    fn(*tensors).numpy()  # trace / compile, and warm up
+    times, start = [], time.perf_counter()
+    while time.perf_counter() - start < budget or len(times) < 3:
+        begin = time.perf_counter()
+        fn(*tensors).numpy()  # waits for the device, so the time is real
+        times.append(time.perf_counter() - begin)
+    return min(times)
+
+
+def gather_facts():
+    """Versions, devices and capabilities of this machine, as a dict.
+
+    Returns:
+        A dict with `versions` (name -> version string), `gpus` (see `gpus()`),
+        `cpu` (architecture and cores), `cpu_features` (see `cpu_features()`),
+        `onednn` (bool), `built_with_cuda`, `cuda` / `cudnn` build versions
+        (or None), `tf32` (whether TensorFlow's TF32 setting is on; it acts
+        only on GPUs of compute capability 8.0+), `xla` (a string: "yes" or
+        why not), `cuda_visible_devices` (the variable, or None when unset)
+        and `nvidia_driver` (the driver's version line, or None).
+    """
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import kmix
+
+    versions = {
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "numpy": np.__version__,
+        "kmix": kmix.__version__,
+    }
+    build = tf.sysconfig.get_build_info()
+    return {
+        "versions": versions,
+        "gpus": gpus(),
+        "cpu": f"{platform.machine() or 'unknown'}, {os.cpu_count() or '?'} core(s)",
+        "cpu_features": cpu_features(),
+        "onednn": onednn_enabled(),
+        "built_with_cuda": tf.test.is_built_with_cuda(),
+        "cuda": build.get("cuda_version"),
+        "cudnn": build.get("cudnn_version"),
+        "tf32": tf.config.experimental.tensor_float_32_execution_enabled(),
+        "xla": _check_xla(tf),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "nvidia_driver": _nvidia_driver(),
+    }
+
+
+def _nvidia_driver():
+    """The NVIDIA kernel driver's version line, or None when no driver is loaded (Linux)."""
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            return f.readline().strip() or None
+    except OSError:
+        return None
+
+
+def _check_xla(tf):
+    """Compiles and runs a tiny function with XLA; "yes" or the reason it failed."""
+    try:
+        fn = tf.function(lambda x: tf.reduce_sum(tf.matmul(x, x)), jit_compile=True)
+        float(fn(tf.ones((4, 4))))
+        return "yes (a jit_compile=True function compiled and ran)"
+    except Exception as e:  # noqa: BLE001  XLA failures come as many error types
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"no: {type(e).__name__}: {first_line[:200]}"
