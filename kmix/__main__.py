@@ -8,6 +8,7 @@ import sys
 BENCHES = {
     "memory": "kmix.benchmarks.memory",
     "overhead": "kmix.benchmarks.overhead",
+    "predict": "kmix.benchmarks.predict",
     "softmax": "kmix.benchmarks.softmax",
     "train": "kmix.benchmarks.train",
 }

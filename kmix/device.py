@@ -151,7 +151,7 @@ class Probe:
                  f"({self.seconds:.1f} s): GFLOP/s"]
         lines.append(f"  {'dtype':<9} {'tf.function':>11} {'XLA':>7}")
         for dtype in DTYPES:
-            lines.append(f"  {dtype:<9} {self.rate(dtype, False):>11.0f} {self.rate(dtype, True):>7.0f}")
+            lines.append(f"  {dtype:<9} {self.rate(dtype, False):>11.4g} {self.rate(dtype, True):>7.4g}")
         return "\n".join(lines)
 
 

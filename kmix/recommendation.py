@@ -117,13 +117,13 @@ def decide(probe, gpus, cpu, onednn=None):
     reasons = [_facts_line(gpus, cpu, onednn)]
     reasons.append(
         f"Measured on {probe.device} ({_shape(probe)}), GFLOP/s as tf.function / XLA: "
-        + "; ".join(f"{d} {probe.rate(d, False):.0f} / {probe.rate(d, True):.0f}" for d in device.DTYPES)
+        + "; ".join(f"{d} {_g(probe.rate(d, False))} / {_g(probe.rate(d, True))}" for d in device.DTYPES)
         + "."
     )
     if dtype == "float32":
         reasons.append(
-            f"No half dtype is {MIN_SPEEDUP}x faster than float32 here (best: {half} {rate:.0f} "
-            f"against {f32:.0f}): float32, which has no rounding or overflow to manage."
+            f"No half dtype is {MIN_SPEEDUP}x faster than float32 here (best: {half} {_g(rate)} "
+            f"against {_g(f32)}): float32, which has no rounding or overflow to manage."
         )
     elif dtype == "bfloat16":
         reasons.append(
@@ -140,11 +140,16 @@ def decide(probe, gpus, cpu, onednn=None):
     compiled = "XLA" if jit else "tf.function"
     other = "tf.function" if jit else "XLA"
     reasons.append(
-        f"{dtype} is faster as {compiled} ({max(tf_rate, xla_rate):.0f} against {min(tf_rate, xla_rate):.0f} "
+        f"{dtype} is faster as {compiled} ({_g(max(tf_rate, xla_rate))} against {_g(min(tf_rate, xla_rate))} "
         f"as {other}): jit_compile={jit}." + _xla_note(dtype, jit, gpus, onednn)
     )
     policy = "float32" if dtype == "float32" else f"mixed_{dtype}"
     return Recommendation(policy, jit, tuple(reasons), dtype == "float16", probe)
+
+
+def _g(rate):
+    """A rate in GFLOP/s as printed: whole numbers, or 2 significant digits below 10."""
+    return f"{rate:.0f}" if rate >= 10 else f"{rate:.2g}"
 
 
 def _shape(probe):

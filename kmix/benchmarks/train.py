@@ -1,35 +1,36 @@
-"""`python -m kmix bench train`: a GPT-style training step under float32, float16 and bfloat16.
+"""`python -m kmix bench train`: one model's training step on every route a user could take, in one run.
 
-The model is a decoder-only transformer: token and position embeddings,
-`--layers` pre-norm blocks (causal multi-head self-attention, a 4x GELU MLP)
-and a language-model head, trained with AdamW on next-token prediction. Each
-configuration is a policy and a stack, run as a `tf.function` graph and with XLA
-(`jit_compile=True`):
+The routes (see `kmix.benchmarks.routes`), in table order:
 
-- `float32`, stack `keras`: plain Keras, the baseline of the ratios;
-- `mixed_float16`, stack `keras`: plain Keras mixed precision, i.e.
-  `keras.layers.MultiHeadAttention` and the `LossScaleOptimizer` that
-  `compile` wraps around the optimizer by itself;
-- `mixed_float16` and `mixed_bfloat16`, stack `kmix`:
-  `kmix.layers.MultiHeadAttention` (float32 softmax) and `kmix.wrap`.
+- `float32`, `keras`: plain Keras with Keras's default compile
+  (`jit_compile="auto"`: XLA only with a GPU): the baseline of the ratios;
+- `mixed_bfloat16` and `mixed_float16`, `keras`: plain Keras mixed
+  precision (Keras's own `LossScaleOptimizer` under float16);
+- `float32`, `tf-rewrite`: the float32 model under TensorFlow's own
+  grappler mixed-precision rewrite (oneDNN bfloat16 on a CPU, float16 on a
+  GPU), the anchor a user could pick instead of any library;
+- `mixed_bfloat16` and `mixed_float16`, `kmix`: kmix's layers and `kmix.wrap`
+  under the same global policies (the keras rows show what kmix's safety costs);
+- the policy `kmix.recommend()` picks, `recommended`: `kmix.autocast` +
+  `kmix.wrap` + the recommended `jit_compile`, the route the README gives.
 
-The keras and kmix rows at `mixed_float16` show what kmix's safety costs.
+`--jit both` adds every policy row under XLA as well. The model is the
+GPT-style decoder of `kmix.benchmarks.gpt` (`--model gpt`, the default: at
+d_model 512 its matmuls dominate the step) or
+`keras.applications.ResNet50(weights=None)` at a small input (`--model resnet50`).
 
-Model FLOP/s follow PaLM's model-FLOPs convention (Chowdhery et al. 2022,
-appendix B): per token `6 * N + 12 * layers * d_model * seq`, where N counts
-the parameters that take part in matmuls (all but the two embedding tables)
-and the second term is the attention score and value products, forward and
-backward, counted in full (not halved for the causal mask). Rematerialisation
-and other non-model work are not counted, so this is the "model" rate.
+Model FLOP/s (GPT only) follow PaLM's model-FLOPs convention (Chowdhery et
+al. 2022, appendix B): per token `6 * N + 12 * layers * d_model * seq`,
+where N counts the parameters that take part in matmuls (all but the two
+embedding tables) and the second term is the attention products, forward
+and backward, counted in full.
 
 The step time is that of the fastest of `--rounds` timed rounds. With a GPU
-each configuration runs alone and its peak memory is
-`tf.config.experimental.get_memory_info` of the first GPU (reset before it);
-without one the configurations are built first and their rounds alternate
-(`--interleave`), so that drift on a shared machine hits all alike, and
-there is no memory figure (a CPU does not report one: "n/a"). On a
-CPU float16 and bfloat16 math is slower than float32, so the ratios there say
-nothing about a GPU; run this on one for speed figures.
+each route runs alone and its peak memory is
+`tf.config.experimental.get_memory_info` of the first GPU; without one the
+routes are built first and their rounds alternate (`--interleave`), so that
+drift on a shared machine hits all alike (no memory figure then:
+`bench memory` measures the CPU's).
 """
 
 import argparse
@@ -43,23 +44,31 @@ import tensorflow as tf
 import kmix
 from kmix.benchmarks.common import format_table, progress, time_call
 from kmix.benchmarks.gpt import build_model, compile_model, make_dataset, model_flops_per_token
+from kmix.benchmarks.routes import MODELS, Route, rewrite_option as rewrite_key
 
-POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
-HEADERS = ["policy", "stack", "compiled", "ms/step", "tokens/s", "TFLOP/s", "peak mem",
+POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+HEADERS = ["policy", "stack", "compiled", "ms/step", "items/s", "TFLOP/s", "peak mem",
            "speed x f32", "mem x f32"]
+AUTO = "auto"  # Keras's default jit_compile
 
 
-def configurations(policies, jit_modes):
-    """The `(policy, stack, jit_compile)` triples one run measures, in table order."""
+def configurations(policies, jit_modes, recommendation=None):
+    """The `(policy, stack, jit_compile)` triples one run measures, in table order.
+
+    Args:
+        policies: the policies of the keras and kmix rows (`POLICIES` by default).
+        jit_modes: a list of `"auto"`, False and/or True.
+        recommendation: a `kmix.Recommendation` for the last row, or None.
+    """
     configs = []
     for jit in jit_modes:
-        for policy in policies:
-            if policy == "float32":
-                configs.append((policy, "keras", jit))
-            elif policy == "mixed_float16":
-                configs += [(policy, "keras", jit), (policy, "kmix", jit)]
-            else:
-                configs.append((policy, "kmix", jit))
+        configs += [(p, "keras", jit) for p in policies]
+    if "float32" in policies:
+        configs.append(("float32", "tf-rewrite", False))
+    for jit in jit_modes:
+        configs += [(p, "kmix", jit) for p in policies if p != "float32"]
+    if recommendation is not None:
+        configs.append((recommendation.policy, "recommended", recommendation.jit_compile))
     return configs
 
 
@@ -77,85 +86,88 @@ def _reset():
 
 
 class _Run:
-    """One configuration, built, compiled and traced, ready to time."""
+    """One route, built, compiled and traced, ready to time."""
 
-    def __init__(self, config, size):
+    def __init__(self, config, model_name, size):
         policy, stack, jit_compile = config
-        self.config, self.size, self.seconds, self.loss = config, size, [], None
-        with kmix.policy_scope(policy):
-            self.model = build_model(size["layers"], size["d_model"], size["heads"], size["seq"],
-                                     size["vocab"], stack)
-            compile_model(self.model, stack, jit_compile)
-        self.data = make_dataset(size["batch"], size["seq"], size["vocab"])
-        self.fit(2)  # traces / compiles the step and builds the optimizer
-
-    def fit(self, steps):
-        history = self.model.fit(self.data, steps_per_epoch=steps, epochs=1, shuffle=False, verbose=0)
-        self.loss = float(history.history["loss"][-1])
+        self.config, self.model_name, self.size, self.seconds = config, model_name, size, []
+        self.route = Route(model_name, size, policy, stack, jit_compile)
+        self.route.train(2)  # traces / compiles the step and builds the optimizer
 
     def time_round(self, steps):
-        """Times `steps` steps; keeps the seconds per step."""
-        self.seconds.append(time_call(lambda: self.fit(steps), repeats=1, warmup=0)[0] / steps)
+        """One untimed step, then times `steps` steps; keeps the seconds per step.
+
+        The untimed step absorbs what another route left behind: turning
+        the grappler rewrite on or off makes TensorFlow instantiate every
+        function again on its next call.
+        """
+        self.route.train(1)
+        self.seconds.append(time_call(lambda: self.route.train(steps), repeats=1, warmup=0)[0] / steps)
 
     def result(self, peak_bytes):
         """The figures, from the fastest round (the least disturbed on a shared machine)."""
-        policy, stack, jit_compile = self.config
         step = min(self.seconds)
-        tokens = self.size["batch"] * self.size["seq"]
-        flops = model_flops_per_token(self.model, self.size["layers"], self.size["d_model"], self.size["seq"])
+        items = self.route.items
+        tflops = None
+        if self.model_name == "gpt":
+            flops = model_flops_per_token(self.route.model, self.size["layers"], self.size["d_model"],
+                                          self.size["seq"])
+            tflops = flops * items / step / 1e12
         return {
-            "policy": policy,
-            "stack": stack,
-            "jit_compile": jit_compile,
+            "policy": self.route.policy,
+            "stack": self.route.stack,
+            "jit_compile": self.route.jit_compile,
             "step_seconds": step,
-            "tokens_per_second": tokens / step,
-            "tflops": flops * tokens / step / 1e12,
+            "tokens_per_second": items / step,
+            "tflops": tflops,
             "peak_bytes": peak_bytes,
-            "loss": self.loss,
+            "loss": self.route.loss,
         }
 
 
-def measure(config, size, steps, rounds):
-    """Trains one configuration alone and returns its figures (see `measure_all`)."""
+def measure(config, size, steps, rounds, model_name="gpt"):
+    """Trains one route alone and returns its figures (see `measure_all`)."""
     _reset()
-    run = _Run(config, size)
+    run = _Run(config, model_name, size)
     for _ in range(rounds):
         run.time_round(steps)
     device = gpu_name()
     return run.result(tf.config.experimental.get_memory_info(device)["peak"] if device else None)
 
 
-def measure_all(configs, size, steps, rounds, interleave):
-    """Measures every configuration; returns one dict of figures per configuration.
+def measure_all(configs, size, steps, rounds, interleave, model_name="gpt"):
+    """Measures every route; returns one dict of figures per route.
 
     Args:
         configs: `(policy, stack, jit_compile)` triples.
-        size: dict with `layers`, `d_model`, `heads`, `seq`, `batch`, `vocab`.
+        size: see `kmix.benchmarks.routes.build`.
         steps: steps per timed round.
         rounds: timed rounds; the step time is that of the fastest round.
-        interleave: build every configuration first, then time round 1 of
-            each, round 2 of each, ...: drift on a shared machine then hits
-            all of them alike. Otherwise each runs alone, after the previous
-            one is freed, so that its peak device memory is its own.
+        interleave: build every route first, then time round 1 of each,
+            round 2 of each, ...: drift on a shared machine then hits all of
+            them alike. Otherwise each runs alone, after the previous one is
+            freed, so that its peak device memory is its own.
+        model_name: `"gpt"` or `"resnet50"`.
 
     Returns:
-        Dicts with `policy`, `stack`, `jit_compile`, `step_seconds`,
-        `tokens_per_second`, `tflops`, `peak_bytes` (None where the device
-        does not report it, and when interleaved), `loss` (the last
-        training loss, to show the step really trained).
+        Dicts with `policy`, `stack`, `jit_compile` (as resolved: Keras's
+        `"auto"` becomes a bool), `step_seconds`, `tokens_per_second` (items:
+        tokens for the GPT, images for ResNet), `tflops` (None for ResNet),
+        `peak_bytes` (None where the device does not report it, and when
+        interleaved), `loss` (the last training loss, to show it trained).
     """
-    label = lambda c: f"{c[0]}, {c[1]}, {'XLA' if c[2] else 'tf.function'}"  # noqa: E731
+    label = lambda c: f"{c[0]}, {c[1]}, {'XLA' if c[2] is True else 'tf.function' if c[2] is False else 'default compile'}"  # noqa: E731
     if not interleave:
         results = []
         for i, config in enumerate(configs, 1):
             progress(f"[{i}/{len(configs)}] {label(config)}")
-            results.append(measure(config, size, steps, rounds))
+            results.append(measure(config, size, steps, rounds, model_name))
         return results
     _reset()
     runs = []
     for i, config in enumerate(configs, 1):
         progress(f"[{i}/{len(configs)}] building and compiling {label(config)}")
-        runs.append(_Run(config, size))
+        runs.append(_Run(config, model_name, size))
     for r in range(rounds):
         progress(f"timing round {r + 1}/{rounds}")
         for run in runs:
@@ -217,11 +229,14 @@ def largest_batch(policy, stack, size, start, limit):
 
 
 def format_rows(results):
-    """Table rows, with each row's ratios against float32 at the same compilation."""
-    baseline = {r["jit_compile"]: r for r in results if r["policy"] == "float32"}
+    """Table rows, with each row's ratios against the baseline: float32 Keras, default compile.
+
+    The baseline is the first `float32` / `keras` row (the default compile
+    comes first); ratios are its step time (or peak memory) over this row's.
+    """
+    base = next((r for r in results if r["policy"] == "float32" and r["stack"] == "keras"), None)
     rows = []
     for r in results:
-        base = baseline.get(r["jit_compile"])
         speed = base["step_seconds"] / r["step_seconds"] if base else "n/a"
         if base and r["peak_bytes"] is not None and base["peak_bytes"]:
             mem_ratio = r["peak_bytes"] / base["peak_bytes"]
@@ -233,7 +248,7 @@ def format_rows(results):
             "XLA" if r["jit_compile"] else "tf.function",
             r["step_seconds"] * 1e3,
             round(r["tokens_per_second"]),
-            r["tflops"],
+            "n/a" if r["tflops"] is None else r["tflops"],
             _bytes(r["peak_bytes"]),
             speed,
             mem_ratio,
@@ -260,7 +275,7 @@ def plot(results, path):
     colors = {"float32": "tab:blue", "mixed_float16": "tab:orange", "mixed_bfloat16": "tab:green"}
     color = [colors.get(r["policy"], "tab:gray") for r in results]
     axes[0, 0].bar(range(len(results)), [r["tokens_per_second"] for r in results], color=color)
-    axes[0, 0].set(title="training throughput", ylabel="tokens / s")
+    axes[0, 0].set(title="training throughput", ylabel="items / s (tokens or images)")
     if has_memory:
         axes[0, 1].bar(range(len(results)), [r["peak_bytes"] / 2**30 for r in results], color=color)
         axes[0, 1].set(title="peak device memory", ylabel="GiB")
@@ -279,48 +294,55 @@ def main(argv=None):
         argv: command-line arguments (`--help` lists them); `sys.argv` by default.
 
     Returns:
-        A dict: `results` (one dict per configuration, see `measure`),
-        `rows` (the table's rows, in `HEADERS` order), `max_batch`
-        (`{policy: (batch, capped)}`, empty unless measured), `plot` (the
-        PNG's path or None).
+        A dict: `results` (one dict per route, see `measure_all`), `rows`
+        (the table's rows, in `HEADERS` order), `recommendation` (the
+        `kmix.Recommendation` of the last row, or None with `--no-recommended`),
+        `max_batch` (`{policy: (batch, capped)}`, empty unless measured),
+        `plot` (the PNG's path or None).
 
     Example:
         >>> from kmix.benchmarks import train
         >>> out = train.main(["--quick"])
     """
     parser = argparse.ArgumentParser(prog="python -m kmix bench train", description=__doc__.splitlines()[0],
-                                     epilog="Defaults are tiny so that a CPU finishes in a minute or two; "
-                                     "a GPU-sized run: --layers 12 --d-model 768 --heads 12 --seq 1024 "
-                                     "--batch 16 --vocab 50304 --steps 20")
-    parser.add_argument("--layers", type=int, default=2, help="transformer blocks; default 2")
-    parser.add_argument("--d-model", type=int, default=64, help="model width; default 64")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads (must divide --d-model); default 4")
-    parser.add_argument("--seq", type=int, default=64, help="sequence length; default 64")
+                                     epilog="Defaults: matmuls dominate the step, and a 2-core CPU finishes in "
+                                     "about 3 minutes. A GPU-sized run: --layers 12 --d-model 768 --heads 12 "
+                                     "--seq 1024 --batch 16 --vocab 50304 --steps 20")
+    parser.add_argument("--model", choices=MODELS, default="gpt", help="the model; default gpt")
+    parser.add_argument("--layers", type=int, default=2, help="GPT: transformer blocks; default 2")
+    parser.add_argument("--d-model", type=int, default=512, help="GPT: model width; default 512")
+    parser.add_argument("--heads", type=int, default=8, help="GPT: attention heads (must divide --d-model); default 8")
+    parser.add_argument("--seq", type=int, default=128, help="GPT: sequence length; default 128")
+    parser.add_argument("--vocab", type=int, default=2048, help="GPT: vocabulary size; default 2048")
+    parser.add_argument("--image", type=int, default=64, help="ResNet50: image side in pixels (>= 32); default 64")
     parser.add_argument("--batch", type=int, default=8, help="batch size; default 8")
-    parser.add_argument("--vocab", type=int, default=512, help="vocabulary size; default 512")
-    parser.add_argument("--steps", type=int, default=10, help="steps per timed round; default 10")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds, the fastest is shown; default 5")
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed round; default 5")
+    parser.add_argument("--rounds", type=int, default=4, help="timed rounds, the fastest is shown; default 4")
     parser.add_argument("--policies", default=",".join(POLICIES),
-                        help="comma-separated policies; default " + ",".join(POLICIES))
-    parser.add_argument("--jit", choices=["both", "on", "off"], default="both",
-                        help="tf.function (off), XLA (on) or both; default both")
+                        help="comma-separated policies of the keras and kmix rows; default " + ",".join(POLICIES))
+    parser.add_argument("--jit", choices=["auto", "both", "on", "off"], default="auto",
+                        help="the keras and kmix rows: Keras's default compile (auto: XLA only with a GPU), "
+                        "tf.function (off), XLA (on) or both; default auto")
+    parser.add_argument("--recommended", action=argparse.BooleanOptionalAction, default=True,
+                        help="add the route kmix.recommend() picks on this device (default on)")
     parser.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
                         help="enable (--tf32) or disable (--no-tf32) TF32 float32 matmuls on "
                         "compute capability 8.0+; default: TensorFlow's setting (enabled)")
     parser.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
-                        help="build every configuration first and alternate their timed rounds, so that "
+                        help="build every route first and alternate their timed rounds, so that "
                         "drift on a shared machine hits all alike; no peak memory then. Default: on "
-                        "without a GPU, off with one (each configuration alone, with its own peak memory)")
+                        "without a GPU, off with one (each route alone, with its own peak memory)")
     parser.add_argument("--max-batch", action="store_true",
-                        help="also find the largest batch that trains, per policy (XLA; kmix stack, Keras for float32): "
-                        "doubling from --batch, then bisecting; GPU only unless --force")
+                        help="GPT: also find the largest batch that trains, per policy (XLA; kmix stack, Keras "
+                        "for float32): doubling from --batch, then bisecting; GPU only unless --force")
     parser.add_argument("--max-batch-limit", type=int, default=2**16,
                         help="stop doubling at this batch; default 65536")
     parser.add_argument("--force", action="store_true", help="run --max-batch on a CPU anyway")
     parser.add_argument("--plot", nargs="?", const=os.path.join("kmix-out", "bench_train.png"), default=None,
                         metavar="PATH", help="save a PNG of the results (default path kmix-out/bench_train.png)")
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke test: 1 layer, width 16, seq 16, batch 2, 2 steps, 1 round")
+                        help="a smoke test: GPT 1 layer, width 16, seq 16 (ResNet50 32x32), batch 2, "
+                        "2 steps, 1 round, a tiny probe")
     args = parser.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
@@ -328,43 +350,61 @@ def main(argv=None):
         parser.error(f"--policies accepts {', '.join(POLICIES)}; received {args.policies!r}")
     if args.quick:
         args.layers, args.d_model, args.heads, args.seq, args.batch = 1, 16, 2, 16, 2
-        args.vocab, args.steps, args.rounds = 64, 2, 1
+        args.vocab, args.steps, args.rounds, args.image = 64, 2, 1, 32
     if args.d_model % args.heads:
         parser.error(f"--heads must divide --d-model; received --d-model {args.d_model} --heads {args.heads}")
     for name in ("layers", "d_model", "heads", "seq", "batch", "vocab", "steps", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1; received {getattr(args, name)}")
+    if args.image < 32:
+        parser.error(f"--image must be >= 32 (ResNet50's smallest input); received {args.image}")
 
     if args.tf32 is not None:
         tf.config.experimental.enable_tensor_float_32_execution(args.tf32)
-    size = {k: getattr(args, k) for k in ("layers", "d_model", "heads", "seq", "batch", "vocab")}
-    jit_modes = {"both": [False, True], "on": [True], "off": [False]}[args.jit]
-    configs = configurations(policies, jit_modes)
+    size = {k: getattr(args, k) for k in ("layers", "d_model", "heads", "seq", "batch", "vocab", "image")}
+    size["classes"] = 10
+    jit_modes = {"auto": [AUTO], "both": [False, True], "on": [True], "off": [False]}[args.jit]
+    start = time.perf_counter()
+    recommendation = None
+    if args.recommended:
+        progress("kmix.recommend(): probing this device")
+        recommendation = kmix.recommend(probe=kmix.device.probe((64, 16, 32), budget=0.02) if args.quick else None)
+    configs = configurations(policies, jit_modes, recommendation)
     device = gpu_name()
     where = tf.config.experimental.get_device_details(
-        tf.config.list_physical_devices("GPU")[0]).get("device_name", "GPU") if device else "CPU"
+        tf.config.list_physical_devices("GPU")[0]).get("device_name", "GPU") if device else \
+        f"CPU ({kmix.device.cpu_features()['model']})"
     tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
     interleave = args.interleave if args.interleave is not None else device is None
-    start = time.perf_counter()
     logger, level = tf.get_logger(), tf.get_logger().level
-    logger.setLevel("ERROR")  # every configuration traces its own step: TF's retracing warning is noise here
+    logger.setLevel("ERROR")  # every route traces its own step: TF's retracing warning is noise here
     try:
-        results = measure_all(configs, size, args.steps, args.rounds, interleave)
+        results = measure_all(configs, size, args.steps, args.rounds, interleave, args.model)
     finally:
         logger.setLevel(level)
-    print(f"GPT-style training step on {where}: {args.layers} layers, d_model {args.d_model}, "
-          f"{args.heads} heads, seq {args.seq}, batch {args.batch}, vocab {args.vocab}; "
-          f"TF32 {'on' if tf32 else 'off'}; fastest of {args.rounds} "
+    if args.model == "gpt":
+        what = (f"GPT-style training step: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, "
+                f"seq {args.seq}, batch {args.batch}, vocab {args.vocab}")
+    else:
+        what = f"ResNet50 training step: {args.image}x{args.image} images, batch {args.batch}, 10 classes"
+    print(f"{what}; on {where}; TF32 {'on' if tf32 else 'off'}; fastest of {args.rounds} "
           f"{'interleaved ' if interleave else ''}rounds of {args.steps} steps")
     rows = format_rows(results)
     print(format_table(HEADERS, rows))
-    print("TFLOP/s: model FLOPs, 6 * params (without embeddings) + 12 * layers * d_model * seq per token; "
-          "speed x f32: float32 step time / this one's, at the same compilation.")
-    if not device:
-        print("On a CPU half precision is slower than float32: these ratios say nothing about a GPU.")
+    print("items/s: tokens (GPT) or images (ResNet). TFLOP/s: model FLOPs, 6 * params (without embeddings) "
+          "+ 12 * layers * d_model * seq per token. speed x f32: the float32 Keras row's step time "
+          "(Keras's default compile) / this one's.")
+    if recommendation is not None:
+        print(recommendation)
+    for row in results:
+        if row["stack"] == "tf-rewrite":
+            print(f"tf-rewrite: tf.config.optimizer.set_experimental_options({{{rewrite_key()!r}: True}}) "
+                  "on the float32 model.")
 
     max_batch = {}
-    if args.max_batch and not device and not args.force:
+    if args.max_batch and args.model != "gpt":
+        print("--max-batch: measured for the GPT model only; skipped.")
+    elif args.max_batch and not device and not args.force:
         print("--max-batch: not meaningful on a CPU (host memory swaps instead of failing); skipped. "
               "Pass --force to run it anyway.")
     elif args.max_batch:
@@ -385,7 +425,8 @@ def main(argv=None):
         path = plot(results, args.plot)
         print(f"Plot saved to {os.path.abspath(path)}")
     progress(f"done in {time.perf_counter() - start:.0f} s")
-    return {"results": results, "rows": rows, "max_batch": max_batch, "plot": path}
+    return {"results": results, "rows": rows, "recommendation": recommendation, "max_batch": max_batch,
+            "plot": path}
 
 
 if __name__ == "__main__":

@@ -7,18 +7,28 @@ import keras
 import pytest
 import tensorflow as tf
 
-from kmix.benchmarks import train
+import kmix
+from kmix.benchmarks import routes, train
+
+
+def _rec(policy="mixed_bfloat16", jit=False):
+    return kmix.Recommendation(policy, jit, ("measured",), policy == "mixed_float16", None)
 
 
 def test_configurations_in_table_order():
-    assert train.configurations(train.POLICIES, [False]) == [
-        ("float32", "keras", False),
-        ("mixed_float16", "keras", False),
-        ("mixed_float16", "kmix", False),
-        ("mixed_bfloat16", "kmix", False),
+    assert train.configurations(train.POLICIES, ["auto"], _rec()) == [
+        ("float32", "keras", "auto"),
+        ("mixed_bfloat16", "keras", "auto"),
+        ("mixed_float16", "keras", "auto"),
+        ("float32", "tf-rewrite", False),
+        ("mixed_bfloat16", "kmix", "auto"),
+        ("mixed_float16", "kmix", "auto"),
+        ("mixed_bfloat16", "recommended", False),
     ]
-    assert len(train.configurations(train.POLICIES, [False, True])) == 8
-    assert train.configurations(["mixed_bfloat16"], [True]) == [("mixed_bfloat16", "kmix", True)]
+    # Both compilations: every keras and kmix row twice, the rewrite and the recommendation once.
+    assert len(train.configurations(train.POLICIES, [False, True], _rec())) == 12
+    assert train.configurations(["mixed_bfloat16"], [True]) == [("mixed_bfloat16", "keras", True),
+                                                               ("mixed_bfloat16", "kmix", True)]
 
 
 @pytest.mark.parametrize("stack", ["keras", "kmix"])
@@ -60,23 +70,25 @@ def test_largest_batch_doubles_then_bisects(monkeypatch, threshold, start, limit
     assert len(tried) == len(set(tried))  # no batch is tried twice
 
 
-def test_format_rows_ratios_against_float32_at_the_same_compilation():
-    def result(policy, jit, seconds, peak):
-        return {"policy": policy, "stack": "kmix", "jit_compile": jit, "step_seconds": seconds,
-                "tokens_per_second": 100 / seconds, "tflops": 1.0, "peak_bytes": peak, "loss": 1.0}
+def test_format_rows_ratios_against_the_float32_keras_row():
+    def result(policy, stack, jit, seconds, peak, tflops=1.0):
+        return {"policy": policy, "stack": stack, "jit_compile": jit, "step_seconds": seconds,
+                "tokens_per_second": 100 / seconds, "tflops": tflops, "peak_bytes": peak, "loss": 1.0}
 
     rows = train.format_rows([
-        result("float32", False, 0.4, 2**31),
-        result("mixed_bfloat16", False, 0.1, 2**30),
-        result("float32", True, 0.2, 2**31),
-        result("mixed_bfloat16", True, 0.05, 2**29),
+        result("float32", "keras", False, 0.4, 2**31),
+        result("mixed_bfloat16", "kmix", False, 0.1, 2**30),
+        result("float32", "keras", True, 0.2, 2**31),
+        result("mixed_bfloat16", "recommended", True, 0.05, 2**29, tflops=None),
     ])
-    assert [r[-2] for r in rows] == [1.0, 4.0, 1.0, 4.0]
+    # Every ratio is against the first float32 Keras row (Keras's default compile).
+    assert [r[-2] for r in rows] == [1.0, 4.0, 2.0, 8.0]
     assert [r[-1] for r in rows] == [1.0, 0.5, 1.0, 0.25]
     assert rows[1][6] == "1.00 GiB" and rows[3][6] == "512.0 MiB"
+    assert rows[3][5] == "n/a"
 
 
-def test_quick_run_prints_the_table(tmp_path, capsys):
+def test_quick_run_prints_every_route(tmp_path, capsys):
     path = str(tmp_path / "train.png")
     tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
     try:
@@ -87,14 +99,19 @@ def test_quick_run_prints_the_table(tmp_path, capsys):
         keras.config.set_dtype_policy("float32")
     text = capsys.readouterr().out
     assert "TF32 off" in text
-    expected = train.configurations(train.POLICIES, [False, True])
-    assert [(r["policy"], r["stack"], r["jit_compile"]) for r in out["results"]] == expected
+    rec = out["recommendation"]
+    assert isinstance(rec, kmix.Recommendation) and str(rec) in text
+    expected = train.configurations(train.POLICIES, ["auto"], rec)
+    auto_jit = bool(tf.config.list_physical_devices("GPU"))  # Keras's "auto": XLA only with a GPU
+    resolved = [(p, s, auto_jit if j == "auto" else j) for p, s, j in expected]
+    assert [(r["policy"], r["stack"], r["jit_compile"]) for r in out["results"]] == resolved
     lines = text.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["policy", "stack"])
     table = lines[header + 2: header + 2 + len(expected)]
     assert [line.split()[:3] for line in table] == [
-        [p, s, "XLA" if j else "tf.function"] for p, s, j in expected
+        [p, s, "XLA" if j else "tf.function"] for p, s, j in resolved
     ]
+    assert "auto_mixed_precision" in text  # the rewrite row says which option it set
     for r in out["results"]:
         assert r["step_seconds"] > 0 and r["tokens_per_second"] > 0 and r["tflops"] > 0
         assert math.isfinite(r["loss"])
@@ -109,12 +126,15 @@ def test_quick_run_prints_the_table(tmp_path, capsys):
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert out["plot"] == path and os.path.exists(path)
+    # The rewrite was on only while its route ran.
+    assert not tf.config.optimizer.get_experimental_options().get(routes.rewrite_option(), False)
 
 
 def test_measure_alone_and_interleaved_give_the_same_figures_shape():
     size = {"layers": 1, "d_model": 16, "heads": 2, "seq": 8, "batch": 2, "vocab": 32}
     config = ("float32", "keras", False)
     alone = train.measure(config, size, steps=2, rounds=2)
+    size["image"], size["classes"] = 32, 10
     together = train.measure_all([config, ("mixed_bfloat16", "kmix", False)], size, 2, 2, interleave=True)
     assert [r["policy"] for r in together] == ["float32", "mixed_bfloat16"]
     for r in [alone, *together]:

@@ -1,0 +1,157 @@
+"""`python -m kmix bench predict`: inference throughput, float32 against the half-precision routes.
+
+The same untrained model (same seed) runs `model.predict` on one batch,
+repeated, on each route of `kmix.benchmarks.routes`: float32 Keras (default
+compile: the baseline), `mixed_bfloat16` Keras, TensorFlow's grappler
+rewrite of the float32 model, and the route `kmix.recommend()` picks
+(`kmix.autocast` of the float32 model). Models: the GPT-style decoder of
+`bench train` and `keras.applications.ResNet50(weights=None)` at a small
+input. Besides items per second, each row says how far its outputs are from
+float32's: the largest absolute difference and how often the top-1 class
+(the argmax over the last axis) agrees.
+
+Without a GPU the routes are built first and their timed rounds alternate,
+so that drift on a shared machine hits all alike.
+"""
+
+import argparse
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import kmix
+from kmix.benchmarks.common import format_table, progress, time_call
+from kmix.benchmarks.routes import MODELS, Route
+
+HEADERS = ["model", "policy", "stack", "compiled", "ms/batch", "items/s", "speed x f32", "max |out - f32|",
+           "top-1 = f32"]
+
+
+def routes(recommendation):
+    """The `(policy, stack, jit_compile)` triples measured per model, baseline first."""
+    configs = [("float32", "keras", "auto"), ("mixed_bfloat16", "keras", "auto"), ("float32", "tf-rewrite", False)]
+    if recommendation is not None:
+        configs.append((recommendation.policy, "recommended", recommendation.jit_compile))
+    return configs
+
+
+def measure(model_name, size, configs, steps, rounds):
+    """Predict throughput and agreement with float32 per route; one dict per route.
+
+    Returns:
+        Dicts with `model`, `policy`, `stack`, `jit_compile`, `batch_seconds`
+        (fastest round), `items_per_second`, `max_abs_diff` and
+        `top1_agreement` (against the first route, float32).
+    """
+    built = []
+    for i, (policy, stack, jit) in enumerate(configs, 1):
+        progress(f"[{model_name} {i}/{len(configs)}] building {policy}, {stack}")
+        route = Route(model_name, size, policy, stack, jit)
+        route.outputs = route.predict(1)  # traces, and the outputs to compare
+        route.seconds = []
+        built.append(route)
+    for r in range(rounds):
+        progress(f"[{model_name}] timing round {r + 1}/{rounds}")
+        for route in built:
+            route.predict(1)  # absorbs a function re-instantiation after the grappler switch
+            route.seconds.append(time_call(lambda: route.predict(steps), repeats=1, warmup=0)[0] / steps)
+    reference = built[0].outputs
+    results = []
+    for route in built:
+        step = min(route.seconds)
+        results.append({
+            "model": model_name,
+            "policy": route.policy,
+            "stack": route.stack,
+            "jit_compile": route.jit_compile,
+            "batch_seconds": step,
+            "items_per_second": route.items / step,
+            "max_abs_diff": float(np.max(np.abs(route.outputs - reference))),
+            "top1_agreement": float(np.mean(route.outputs.argmax(-1) == reference.argmax(-1))),
+        })
+    return results
+
+
+def format_rows(results):
+    """Table rows; speed is against the float32 Keras row of the same model."""
+    base = {r["model"]: r for r in reversed(results) if r["policy"] == "float32" and r["stack"] == "keras"}
+    rows = []
+    for r in results:
+        ref = base.get(r["model"])
+        rows.append([r["model"], r["policy"], r["stack"], "XLA" if r["jit_compile"] else "tf.function",
+                     r["batch_seconds"] * 1e3, round(r["items_per_second"]),
+                     ref["batch_seconds"] / r["batch_seconds"] if ref else "n/a",
+                     r["max_abs_diff"], f"{r['top1_agreement']:.1%}"])
+    return rows
+
+
+def main(argv=None):
+    """Prints the inference table.
+
+    Args:
+        argv: command-line arguments (`--help` lists them); `sys.argv` by default.
+
+    Returns:
+        A dict: `results` (see `measure`), `rows` (in `HEADERS` order) and
+        `recommendation` (the `kmix.Recommendation` of the recommended rows).
+
+    Example:
+        >>> from kmix.benchmarks import predict
+        >>> out = predict.main(["--quick"])
+    """
+    parser = argparse.ArgumentParser(prog="python -m kmix bench predict", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help="comma-separated models among " + ", ".join(MODELS) + "; default both")
+    parser.add_argument("--batch", type=int, default=32, help="batch size; default 32")
+    parser.add_argument("--layers", type=int, default=2, help="GPT: blocks; default 2")
+    parser.add_argument("--d-model", type=int, default=512, help="GPT: width; default 512")
+    parser.add_argument("--heads", type=int, default=8, help="GPT: heads; default 8")
+    parser.add_argument("--seq", type=int, default=128, help="GPT: sequence length; default 128")
+    parser.add_argument("--vocab", type=int, default=2048, help="GPT: vocabulary; default 2048")
+    parser.add_argument("--image", type=int, default=64, help="ResNet50: image side (>= 32); default 64")
+    parser.add_argument("--steps", type=int, default=5, help="batches per timed round; default 5")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds, the fastest is shown; default 3")
+    parser.add_argument("--quick", action="store_true", help="a smoke test: tiny sizes, 1 round, a tiny probe")
+    args = parser.parse_args(argv)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if not models or any(m not in MODELS for m in models):
+        parser.error(f"--models accepts {', '.join(MODELS)}; received {args.models!r}")
+    if args.quick:
+        args.batch, args.layers, args.d_model, args.heads, args.seq = 2, 1, 16, 2, 16
+        args.vocab, args.image, args.steps, args.rounds = 64, 32, 2, 1
+    for name in ("batch", "layers", "d_model", "heads", "seq", "vocab", "steps", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1; received {getattr(args, name)}")
+    if args.d_model % args.heads:
+        parser.error(f"--heads must divide --d-model; received --d-model {args.d_model} --heads {args.heads}")
+    if args.image < 32:
+        parser.error(f"--image must be >= 32 (ResNet50's smallest input); received {args.image}")
+    size = {k: getattr(args, k) for k in ("batch", "layers", "d_model", "heads", "seq", "vocab", "image")}
+    size["classes"] = 10
+    start = time.perf_counter()
+    progress("kmix.recommend(): probing this device")
+    recommendation = kmix.recommend(probe=kmix.device.probe((64, 16, 32), budget=0.02) if args.quick else None)
+    logger, level = tf.get_logger(), tf.get_logger().level
+    logger.setLevel("ERROR")
+    try:
+        results = []
+        for model_name in models:
+            results += measure(model_name, size, routes(recommendation), args.steps, args.rounds)
+    finally:
+        logger.setLevel(level)
+    where = "GPU" if tf.config.list_physical_devices("GPU") else f"CPU ({kmix.device.cpu_features()['model']})"
+    print(f"predict on {where}: batch {args.batch}; GPT {args.layers} layers, d_model {args.d_model}, seq "
+          f"{args.seq}, vocab {args.vocab}; ResNet50 {args.image}x{args.image}, 10 classes; fastest of "
+          f"{args.rounds} interleaved rounds of {args.steps} batches")
+    rows = format_rows(results)
+    print(format_table(HEADERS, rows))
+    print("items/s: tokens (GPT) or images (ResNet50). max |out - f32| and top-1: against the float32 "
+          "Keras outputs of the same untrained model on the same batch.")
+    print(recommendation)
+    progress(f"done in {time.perf_counter() - start:.0f} s")
+    return {"results": results, "rows": rows, "recommendation": recommendation}
+
+
+if __name__ == "__main__":
+    main()

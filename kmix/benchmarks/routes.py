@@ -1,0 +1,141 @@
+"""The routes the speed benchmarks compare, each a way a user could make one model faster.
+
+A route is a dtype policy and a stack:
+
+- `keras`: plain Keras, the policy set globally (`float32` is the baseline;
+  under `mixed_float16` `compile` wraps Keras's own `LossScaleOptimizer`);
+- `kmix`: the policy set globally, kmix's layers (the GPT's attention is
+  `kmix.layers.MultiHeadAttention`, float32 softmax) and `kmix.wrap`;
+- `tf-rewrite`: the float32 Keras model under TensorFlow's own grappler
+  rewrite (`auto_mixed_precision_onednn_bfloat16` on a CPU,
+  `auto_mixed_precision` on a GPU), set only while this route runs;
+- `recommended`: what `kmix.recommend()` picks on this device: the float32
+  model (kmix stack), `kmix.autocast(model, rec.policy)`, compiled inside
+  `kmix.policy_scope(rec.policy)` with `kmix.wrap` and `rec.jit_compile`.
+
+The models are the GPT-style decoder of `kmix.benchmarks.gpt` and
+`keras.applications.ResNet50(weights=None)` at a small input size.
+"""
+
+import contextlib
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import kmix
+from kmix.benchmarks import gpt
+
+STACKS = ("keras", "kmix", "tf-rewrite", "recommended")
+MODELS = ("gpt", "resnet50")
+
+
+def on_gpu():
+    """Whether TensorFlow sees a GPU."""
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+def rewrite_option():
+    """The grappler option of TensorFlow's own mixed-precision rewrite on this device."""
+    return "auto_mixed_precision" if on_gpu() else "auto_mixed_precision_onednn_bfloat16"
+
+
+@contextlib.contextmanager
+def grappler_rewrite(enabled=True):
+    """Turns TensorFlow's mixed-precision graph rewrite on (or off) inside the block.
+
+    The option is read each time a function runs, so functions that run
+    outside the block are not rewritten.
+    """
+    key = rewrite_option()
+    previous = tf.config.optimizer.get_experimental_options().get(key, False)
+    tf.config.optimizer.set_experimental_options({key: enabled})
+    try:
+        yield
+    finally:
+        tf.config.optimizer.set_experimental_options({key: previous})
+
+
+def build(model_name, size, stack):
+    """The model under the current dtype policy (uncompiled), its data, and items per batch.
+
+    Args:
+        model_name: one of `MODELS`.
+        size: for `"gpt"`: `layers`, `d_model`, `heads`, `seq`, `vocab`,
+            `batch`; for `"resnet50"`: `image` (side in pixels), `classes`, `batch`.
+        stack: `"keras"` or `"kmix"` (which attention the GPT uses).
+
+    Returns:
+        `(model, dataset, items)`: a repeated `tf.data.Dataset` of one batch
+        of `(x, y)`, and the tokens (GPT) or images (ResNet) per batch.
+    """
+    if model_name == "gpt":
+        model = gpt.build_model(size["layers"], size["d_model"], size["heads"], size["seq"],
+                                size["vocab"], stack)
+        return model, gpt.make_dataset(size["batch"], size["seq"], size["vocab"]), size["batch"] * size["seq"]
+    if model_name == "resnet50":
+        keras.utils.set_random_seed(0)
+        side = size["image"]
+        model = keras.applications.ResNet50(weights=None, input_shape=(side, side, 3), classes=size["classes"])
+        rng = np.random.default_rng(0)
+        x = rng.uniform(0, 255, size=(size["batch"], side, side, 3)).astype("float32")
+        y = rng.integers(0, size["classes"], size=(size["batch"],)).astype("int32")
+        return model, tf.data.Dataset.from_tensors((x, y)).repeat(), size["batch"]
+    raise ValueError(f"`model_name` must be one of {MODELS}. Received: model_name={model_name!r}")
+
+
+def _loss(model_name):
+    if model_name == "gpt":
+        return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return keras.losses.SparseCategoricalCrossentropy()
+
+
+class Route:
+    """One route, built and compiled, ready to train or predict.
+
+    Args:
+        model_name: one of `MODELS`.
+        size: see `build`.
+        policy: the dtype policy (`"float32"`, `"mixed_bfloat16"`, ...); for
+            `"recommended"`, the recommendation's.
+        stack: one of `STACKS`.
+        jit_compile: passed to `model.compile` (`"auto"`: Keras's default,
+            XLA only with a GPU).
+    """
+
+    def __init__(self, model_name, size, policy, stack, jit_compile):
+        if stack not in STACKS:
+            raise ValueError(f"`stack` must be one of {STACKS}. Received: stack={stack!r}")
+        self.policy, self.stack = policy, stack
+        build_policy = "float32" if stack in ("tf-rewrite", "recommended") else policy
+        with kmix.policy_scope(build_policy):
+            model, self.data, self.items = build(model_name, size, "keras" if stack in ("keras", "tf-rewrite") else "kmix")
+        if stack == "recommended":
+            model = kmix.autocast(model, policy)
+        optimizer = keras.optimizers.AdamW(1e-4)
+        with kmix.policy_scope(policy if stack != "tf-rewrite" else "float32"):
+            if stack in ("kmix", "recommended"):
+                optimizer = kmix.wrap(optimizer)
+            model.compile(optimizer=optimizer, loss=_loss(model_name), jit_compile=jit_compile)
+        self.model = model
+        self.jit_compile = bool(model.jit_compile)
+        self.loss = None
+
+    def _context(self):
+        return grappler_rewrite() if self.stack == "tf-rewrite" else contextlib.nullcontext()
+
+    def train(self, steps):
+        """Trains `steps` steps; keeps the last loss."""
+        with self._context():
+            history = self.model.fit(self.data, steps_per_epoch=steps, epochs=1, shuffle=False, verbose=0)
+        self.loss = float(history.history["loss"][-1])
+
+    def predict(self, steps):
+        """Runs `predict` over `steps` batches; returns the outputs as float32 NumPy."""
+        with self._context():
+            out = self.model.predict(self.data.map(lambda x, y: x), steps=steps, verbose=0)
+        return np.asarray(out, dtype=np.float32)
+
+    def label(self):
+        """`"policy, stack, compilation"`, for progress lines."""
+        return f"{self.policy}, {self.stack}, {'XLA' if self.jit_compile else 'tf.function'}"
