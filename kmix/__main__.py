@@ -9,6 +9,7 @@ BENCHES = {
     "memory": "kmix.benchmarks.memory",
     "overhead": "kmix.benchmarks.overhead",
     "predict": "kmix.benchmarks.predict",
+    "profile": "kmix.benchmarks.profile",
     "softmax": "kmix.benchmarks.softmax",
     "train": "kmix.benchmarks.train",
 }

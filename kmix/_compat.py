@@ -323,3 +323,16 @@ def onednn_enabled():
     from tensorflow.python.util import _pywrap_util_port
 
     return bool(_pywrap_util_port.IsMklEnabled())
+
+
+def xplane_proto():
+    """The protobuf module of TensorFlow profiler traces (`*.xplane.pb`).
+
+    `python -m kmix bench profile` reads the per-op times of a
+    `tf.profiler.experimental` trace. TensorFlow ships the message type only
+    under this internal path; the alternative, the tensorboard-plugin-profile
+    package, would be a dependency for one parser.
+    """
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    return xplane_pb2

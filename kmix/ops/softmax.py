@@ -151,19 +151,15 @@ def _masked_softmax(logits, mask, bias, axis, dtype, log, names=None):
         keep = finite_below if keep is None else tf.logical_and(keep, finite_below)
 
     zero = tf.zeros([], compute_dtype)
-    if keep is None:
-        row_max = tf.reduce_max(x, axis=axes, keepdims=True)
-    else:
-        lowest = tf.constant(np.finfo(compute_dtype.as_numpy_dtype).min, compute_dtype)
-        row_max = tf.reduce_max(tf.where(keep, x, lowest), axis=axes, keepdims=True)
+    if keep is not None:
+        # One select does both jobs: the max ignores masked positions, and exp(-inf - max)
+        # is exactly 0 there, forward and backward (exp' = exp = 0, never 0 * inf).
+        x = tf.where(keep, x, tf.constant(-np.inf, compute_dtype))
+    row_max = tf.reduce_max(x, axis=axes, keepdims=True)
     # A row of -inf (or with nothing kept) has no finite max: shift by 0.
     row_max = tf.stop_gradient(tf.where(tf.math.is_finite(row_max), row_max, zero))
     shifted = x - row_max
-    if keep is not None:
-        shifted = tf.where(keep, shifted, zero)  # first where: exp stays finite
     exps = tf.exp(shifted)
-    if keep is not None:
-        exps = tf.where(keep, exps, zero)  # second where: masked give exactly 0
     total = tf.reduce_sum(exps, axis=axes, keepdims=True)
     if log:
         # `total` is >= 1 on a row that keeps a finite logit (its max gives

@@ -1,0 +1,163 @@
+"""`python -m kmix bench profile`: where each route's training step spends its time, per op type.
+
+Traces `--steps` training steps of each route with the TensorFlow profiler
+(`tf.profiler.experimental`), sums the time of every TensorFlow op on the
+executor's threads by op type (`MatMul`, `Cast`, `Mul`, ...), and prints
+milliseconds per step side by side, with each route's ratio against the
+first (float32 Keras). The categories at the bottom say where a half route
+gains and where it does not: matmuls speed up with bfloat16 on a CPU with
+AVX512_BF16; elementwise work, casts and the optimizer update over float32
+variables do not.
+
+Op times overlap when the executor runs ops in parallel, and they include
+the intra-op threads' work only through the op that waits for it: read
+them as shares of the step, not as a wall-clock sum.
+"""
+
+import argparse
+import collections
+import glob
+import os
+import tempfile
+
+import tensorflow as tf
+
+from kmix import _compat
+from kmix.benchmarks.common import format_table, progress
+from kmix.benchmarks.routes import Route
+
+ROUTES = {
+    "f32": ("float32", "keras", "auto"),
+    "keras-bf16": ("mixed_bfloat16", "keras", "auto"),
+    "kmix-bf16": ("mixed_bfloat16", "kmix", "auto"),
+    "tf-rewrite": ("float32", "tf-rewrite", False),
+}
+CATEGORIES = {  # op type -> category; anything else is "other"
+    "matmul": ("MatMul", "BatchMatMul", "Einsum", "Conv"),
+    "cast": ("Cast",),
+    "optimizer": ("Assign", "ApplyAdam", "ResourceApply"),
+    "finite check": ("IsFinite", "All"),
+    "softmax / exp": ("Softmax", "Exp", "Max", "DivNoNan", "SelectV2", "Select"),
+    "gelu": ("Erf", "Erfc", "Tanh"),
+    "norm / reductions": ("Mean", "Sum", "SquaredDifference", "Rsqrt", "Sqrt", "FusedBatchNorm"),
+}
+
+
+def op_times(xplane_path, steps):
+    """`{op type: ms per step}` from one trace file (ops on the executor's threads)."""
+    space = _compat.xplane_proto().XSpace()
+    with open(xplane_path, "rb") as f:
+        space.ParseFromString(f.read())
+    times = collections.Counter()
+    for plane in space.planes:
+        if not plane.name.startswith("/host:"):
+            continue
+        names = {k: v.name for k, v in plane.event_metadata.items()}
+        for line in plane.lines:
+            if not line.name.startswith("tf_Compute"):
+                continue
+            for event in line.events:
+                name = names.get(event.metadata_id, "")
+                if ":" in name and "::" not in name:  # "layer/op_name:OpType", not "ExecutorState::Process"
+                    times[_op_type(name.rsplit(":", 1)[1])] += event.duration_ps / 1e9 / steps
+    return times
+
+
+def _op_type(op):
+    return op[len("_Mkl"):] if op.startswith("_Mkl") else op  # oneDNN's kernels, by their op's name
+
+
+def category(op):
+    """The category of an op type (see `CATEGORIES`)."""
+    for name, prefixes in CATEGORIES.items():
+        if op.startswith(prefixes):
+            return name
+    return "other"
+
+
+def profile_route(name, size, steps, logdir):
+    """Traces `steps` steps of route `name`; returns its `{op type: ms per step}`."""
+    route = Route("gpt", size, *ROUTES[name])
+    route.train(2)  # traced and warm
+    path = os.path.join(logdir, name)
+    tf.profiler.experimental.start(path)
+    try:
+        route.train(steps)
+    finally:
+        tf.profiler.experimental.stop()
+    (trace,) = glob.glob(os.path.join(path, "**", "*.xplane.pb"), recursive=True)
+    return op_times(trace, steps)
+
+
+def tables(profiles, top):
+    """`(op rows, category rows)`: ms per step per route and the ratio of each to the first."""
+    names = list(profiles)
+    total = collections.Counter()
+    for times in profiles.values():
+        total.update(times)
+    ops = [op for op, _ in total.most_common(top)]
+
+    def row(label, values):
+        base = values[0]
+        return [label] + values + [base / v if v else "n/a" for v in values[1:]]
+
+    op_rows = [row(op, [profiles[n].get(op, 0.0) for n in names]) for op in ops]
+    by_category = {n: collections.Counter() for n in names}
+    for n in names:
+        for op, ms in profiles[n].items():
+            by_category[n][category(op)] += ms
+    cats = list(CATEGORIES) + ["other"]
+    cat_rows = [row(c, [by_category[n][c] for n in names]) for c in cats]
+    cat_rows.append(row("all ops", [sum(profiles[n].values()) for n in names]))
+    return op_rows, cat_rows
+
+
+def main(argv=None):
+    """Prints the op-type and category tables.
+
+    Returns:
+        A dict: `profiles` (`{route: {op type: ms per step}}`), `ops` and
+        `categories` (the tables' rows).
+
+    Example:
+        >>> from kmix.benchmarks import profile
+        >>> out = profile.main(["--quick"])
+    """
+    parser = argparse.ArgumentParser(prog="python -m kmix bench profile", description=__doc__.splitlines()[0])
+    parser.add_argument("--routes", default="f32,keras-bf16,kmix-bf16",
+                        help="comma-separated, among " + ", ".join(ROUTES) + "; the first is the reference")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=5, help="traced steps per route; default 5")
+    parser.add_argument("--top", type=int, default=20, help="op types shown; default 20")
+    parser.add_argument("--logdir", default=None, help="keep the traces here (TensorBoard's profile tab reads them)")
+    parser.add_argument("--quick", action="store_true", help="a smoke test: tiny sizes, 2 steps")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.routes.split(",") if n.strip()]
+    if not names or any(n not in ROUTES for n in names):
+        parser.error(f"--routes accepts {', '.join(ROUTES)}; received {args.routes!r}")
+    if args.quick:
+        args.layers, args.d_model, args.heads, args.seq, args.batch, args.vocab, args.steps = 1, 16, 2, 16, 2, 64, 2
+    size = {k: getattr(args, k) for k in ("layers", "d_model", "heads", "seq", "batch", "vocab")}
+    with tempfile.TemporaryDirectory() as tmp:
+        logdir = args.logdir or tmp
+        profiles = {}
+        for i, name in enumerate(names, 1):
+            progress(f"[{i}/{len(names)}] tracing {args.steps} steps of {name}")
+            profiles[name] = profile_route(name, size, args.steps, logdir)
+    op_rows, cat_rows = tables(profiles, args.top)
+    ratio_headers = [f"{names[0]} / {n}" for n in names[1:]]
+    print(f"GPT-style training step, {args.layers} layers, d_model {args.d_model}, seq {args.seq}, batch "
+          f"{args.batch}: TensorFlow op time per step (ms), by op type (oneDNN's _Mkl ops under their op's name)")
+    print(format_table(["op type"] + names + ratio_headers, op_rows))
+    print()
+    print(format_table(["category"] + names + ratio_headers, cat_rows))
+    return {"profiles": profiles, "ops": op_rows, "categories": cat_rows}
+
+
+if __name__ == "__main__":
+    main()
