@@ -287,8 +287,8 @@ def summarize(results, policy):
         f"{ours['accuracy']:.3f}; float32: {_number(f32['final_loss'])}, {f32['accuracy']:.3f}."
     )
     lines.append(
-        "Times are this machine's; on a CPU half-precision math is slower than float32, so "
-        "measure speed on a GPU (`python -m kmix bench train`)."
+        "Times are this machine's, for a model too small to show speed; `python -m kmix doctor` "
+        "measures the fastest safe route here and `python -m kmix bench train` compares every route."
     )
     return "\n".join(lines)
 

@@ -7,13 +7,16 @@ figures; the device facts only explain it:
 ```
 f32 = float32's best rate (tf.function or XLA)
 half = bfloat16 if it is at least 1/FLOAT16_MARGIN as fast as float16, else float16
-if rate(half) >= MIN_SPEEDUP * f32:  policy = mixed_<half>     # worth its rounding
-else:                                policy = float32
+if rate(half) >= MIN_SPEEDUP * f32:  policy = "O1-<half>"      # worth its rounding
+else:                                policy = "float32"
 jit_compile = rate(policy's dtype, XLA) >= rate(policy's dtype, tf.function)
 ```
 
 bfloat16 is preferred over float16 unless float16 is clearly faster: it has
-float32's range, so it needs no loss scaling and does not overflow.
+float32's range, so it needs no loss scaling and does not overflow. The half
+policy is Apex's O1 with that dtype (`kmix.autocast` places matmuls in it and
+keeps normalization, softmax and the model's outputs in float32), spelled as
+`kmix.Policy(...).name` spells it, a string every kmix entry point accepts.
 """
 
 import dataclasses
@@ -31,10 +34,12 @@ class Recommendation:
     """The route `kmix.recommend` picks, with the measured reasons.
 
     Attributes:
-        policy: `"mixed_bfloat16"`, `"mixed_float16"` or `"float32"`: a
-            spec that `kmix.autocast`, `kmix.policy_scope` and
-            `kmix.set_policy` accept as it is (and that `kmix.wrap`,
-            called in its scope, follows).
+        policy: `"O1-bfloat16"`, `"O1-float16"` or `"float32"`: a spec that
+            `kmix.autocast`, `kmix.policy_scope` and `kmix.set_policy`
+            accept as it is (and that `kmix.wrap`, called in its scope,
+            follows). O1: half matmuls; normalization, softmax and the
+            model's outputs in float32 (Keras's `mixed_<half>` plus float32
+            outputs).
         jit_compile: the `jit_compile` to pass to `model.compile`.
         reasons: lines that quote the measured figures and the device facts.
         loss_scaling: whether the policy needs a dynamic loss scale (float16).
@@ -127,14 +132,14 @@ def decide(probe, gpus, cpu, onednn=None):
         )
     elif dtype == "bfloat16":
         reasons.append(
-            f"bfloat16 runs {bf16 / f32:.2f}x float32's best{_vs_float16(bf16, f16)}: mixed_bfloat16 "
+            f"bfloat16 runs {bf16 / f32:.2f}x float32's best{_vs_float16(bf16, f16)}: O1 with bfloat16 "
             "(float32's range: no loss scaling; kmix.wrap keeps a fixed scale of 1 and still "
             "skips non-finite steps)."
         )
     else:
         reasons.append(
             f"float16 runs {f16 / f32:.2f}x float32's best and {f16 / max(bf16, 1e-9):.2f}x "
-            "bfloat16's: mixed_float16, which needs loss scaling: compile with "
+            "bfloat16's: O1 with float16, which needs loss scaling: compile with "
             "kmix.wrap(optimizer) and keep softmax and masks in float32 (kmix.autocast does)."
         )
     compiled = "XLA" if jit else "tf.function"
@@ -143,7 +148,7 @@ def decide(probe, gpus, cpu, onednn=None):
         f"{dtype} is faster as {compiled} ({_g(max(tf_rate, xla_rate))} against {_g(min(tf_rate, xla_rate))} "
         f"as {other}): jit_compile={jit}." + _xla_note(dtype, jit, gpus, onednn)
     )
-    policy = "float32" if dtype == "float32" else f"mixed_{dtype}"
+    policy = "float32" if dtype == "float32" else f"O1-{dtype}"
     return Recommendation(policy, jit, tuple(reasons), dtype == "float16", probe)
 
 

@@ -11,8 +11,8 @@ import kmix
 from kmix import doctor
 from kmix.recommendation import Recommendation
 
-def _recommendation(policy="mixed_bfloat16", jit=True):
-    return Recommendation(policy, jit, ("a reason",), policy == "mixed_float16", None)
+def _recommendation(policy="O1-bfloat16", jit=True):
+    return Recommendation(policy, jit, ("a reason",), policy == "O1-float16", None)
 
 
 def test_report_for_a_gpu():
@@ -30,7 +30,7 @@ def test_report_for_a_gpu():
     assert "NVIDIA H200" in text
     assert "compute capability      9.0" in text
     assert "bfloat16 tensor cores   yes" in text
-    assert "kmix.autocast(model, 'mixed_bfloat16')" in text and "jit_compile=True" in text
+    assert "kmix.autocast(model, 'O1-bfloat16')" in text and "jit_compile=True" in text
 
 
 def test_main_prints_versions_and_recommendation(capsys):

@@ -27,7 +27,7 @@ def _probe(f32, bf16, f16, where="CPU (test)"):
 CASES = [
     # This project's CPUs (2026-11-23): oneDNN bfloat16 1.6-1.9x, but not under XLA.
     ("bf16 CPU", _probe((120, 110), (210, 100), (90, 120)), [], CPU_BF16,
-     "mixed_bfloat16", False, ["AVX512_BF16 yes", "1.75x", "XLA:CPU does not use oneDNN", "210 / 100"]),
+     "O1-bfloat16", False, ["AVX512_BF16 yes", "1.75x", "XLA:CPU does not use oneDNN", "210 / 100"]),
     # A CPU without bfloat16 hardware: half precision is no faster.
     ("plain CPU", _probe((120, 130), (60, 55), (30, 125)), [], CPU_PLAIN,
      "float32", True, ["AVX512_BF16 no", "No half dtype", "1.1x", "jit_compile=True"]),
@@ -36,11 +36,11 @@ CASES = [
     # Volta / Turing: float16 tensor cores, none for bfloat16.
     ("GPU cc 7.5", _probe((14e3, 15e3), (9e3, 9.5e3), (60e3, 65e3), "Tesla T4"),
      [{"name": "Tesla T4", "compute_capability": (7, 5)}], CPU_PLAIN,
-     "mixed_float16", True, ["compute capability 7.5", "bfloat16 no", "loss scaling", "kmix.wrap"]),
+     "O1-float16", True, ["compute capability 7.5", "bfloat16 no", "loss scaling", "kmix.wrap"]),
     # Ampere and later: both, as fast as each other: bfloat16, no loss scaling; XLA on.
     ("GPU cc 9.0", _probe((50e3, 52e3), (400e3, 420e3), (405e3, 430e3), "NVIDIA H100"),
      [{"name": "NVIDIA H100", "compute_capability": (9, 0)}], CPU_BF16,
-     "mixed_bfloat16", True, ["compute capability 9.0", "bfloat16 yes", "no loss scaling", "XLA"]),
+     "O1-bfloat16", True, ["compute capability 9.0", "bfloat16 yes", "no loss scaling", "XLA"]),
 ]
 
 
@@ -48,12 +48,14 @@ CASES = [
 def test_decide(name, probe, gpus, cpu, policy, jit, words):
     rec = decide(probe, gpus, cpu, onednn=True)
     assert (rec.policy, rec.jit_compile) == (policy, jit)
-    assert rec.loss_scaling is (policy == "mixed_float16")
+    assert rec.loss_scaling is (policy == "O1-float16")
     text = str(rec)
     for word in words:
         assert word in text, (word, text)
-    # The policy is one every kmix entry point accepts as it is.
-    assert kmix.Policy(rec.policy).needs_loss_scaling is rec.loss_scaling
+    # The policy is one every kmix entry point accepts as it is; O1 keeps the outputs float32.
+    policy = kmix.Policy(rec.policy)
+    assert policy.needs_loss_scaling is rec.loss_scaling and policy.output_dtype == "float32"
+    assert policy.name == rec.policy
 
 
 def test_decide_thresholds():
@@ -61,12 +63,12 @@ def test_decide_thresholds():
     below = _probe((100, 90), (100 * MIN_SPEEDUP - 1, 50), (10, 10))
     at = _probe((100, 90), (100 * MIN_SPEEDUP, 50), (10, 10))
     assert decide(below, [], CPU_BF16).policy == "float32"
-    assert decide(at, [], CPU_BF16).policy == "mixed_bfloat16"
+    assert decide(at, [], CPU_BF16).policy == "O1-bfloat16"
     # float16 wins over bfloat16 only when FLOAT16_MARGIN faster (it needs loss scaling).
     close = _probe((100, 90), (200, 50), (200 * FLOAT16_MARGIN - 1, 50))
     clear = _probe((100, 90), (200, 50), (200 * FLOAT16_MARGIN + 1, 50))
-    assert decide(close, [], CPU_BF16).policy == "mixed_bfloat16"
-    assert decide(clear, [], CPU_BF16).policy == "mixed_float16"
+    assert decide(close, [], CPU_BF16).policy == "O1-bfloat16"
+    assert decide(clear, [], CPU_BF16).policy == "O1-float16"
     # The XLA note is said only where it explains the choice.
     assert "XLA:CPU" not in str(decide(clear, [], CPU_BF16))
 
@@ -98,7 +100,7 @@ def test_a_real_probe_is_short_and_cached():
     assert all(rate > 0 for rate in probe.gflops.values())
     assert device.probe((128, 64, 256), budget=0.05) is probe  # cached per process
     rec = kmix.recommend(probe=probe)
-    assert rec.probe is probe and rec.policy in ("float32", "mixed_bfloat16", "mixed_float16")
+    assert rec.probe is probe and rec.policy in ("float32", "O1-bfloat16", "O1-float16")
     assert "Measured on" in str(rec) and "128x64" in str(rec)
 
 

@@ -49,7 +49,8 @@ _KEYS = {
 _OPT_LEVELS = ("O0", "O1", "O2", "O3")
 _KERAS_NAMES = ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16")
 _ACCEPTED = (
-    "an opt level 'O0', 'O1', 'O2' or 'O3' (with half='float16' or 'bfloat16'); "
+    "an opt level 'O0', 'O1', 'O2' or 'O3' (with half='float16' or 'bfloat16'), or its name "
+    "with the half dtype ('O1-bfloat16'); "
     "a Keras policy name 'float32', 'mixed_float16', 'mixed_bfloat16', 'float16' or 'bfloat16'; "
     "or a jmp-style string such as 'params=float32,compute=float16,output=float32' "
     "(keys params/p, compute/c, output/o; dtypes float32/f32, float16/f16, bfloat16/bf16); "
@@ -104,6 +105,14 @@ class Policy:
                 f"(of type {type(spec).__name__}). Accepted: {_ACCEPTED}."
             )
         stripped = spec.strip()
+        level, _, named_half = stripped.partition("-")
+        if level in _OPT_LEVELS and named_half:  # a `name`: "O1-bfloat16"
+            if half is not None and half != named_half:
+                raise ValueError(
+                    f"`spec` names its half dtype, and `half` names another. Received: "
+                    f"spec={spec!r}, half={half!r}."
+                )
+            stripped, half = level, named_half
         if stripped in _OPT_LEVELS:
             canonical, half = stripped, _parse_half(half)
             dtypes, master = _opt_level(stripped, half)
@@ -141,7 +150,10 @@ class Policy:
 
     @property
     def name(self):
-        """A readable name: the spec, with the half dtype for opt levels (`"O2-bfloat16"`)."""
+        """A readable name: the spec, with the half dtype for opt levels (`"O2-bfloat16"`).
+
+        `kmix.Policy(policy.name)` is the same policy.
+        """
         if self._spec in _OPT_LEVELS[1:]:
             return f"{self._spec}-{self._half}"
         return self._spec

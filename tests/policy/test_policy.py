@@ -136,3 +136,16 @@ def test_casts_only_floating_tensors():
 def test_exported_at_package_level():
     for name in ("Policy", "set_policy", "policy_scope", "active_policy", "autocast", "memory_report"):
         assert getattr(kmix.policy, name).__doc__
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_name_round_trips(level, half):
+    policy = kmix.Policy(level, half=half)
+    again = kmix.Policy(policy.name)
+    assert (again.spec, again.half, again.params_dtype, again.compute_dtype, again.output_dtype,
+            again.needs_master_weights) == (policy.spec, policy.half, policy.params_dtype,
+                                      policy.compute_dtype, policy.output_dtype, policy.needs_master_weights)
+    assert again.name == policy.name
+    with pytest.raises(ValueError, match="names its half dtype"):
+        kmix.Policy(f"{level}-{half}", half="float16" if half == "bfloat16" else "bfloat16")
