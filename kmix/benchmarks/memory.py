@@ -4,7 +4,10 @@ One row per configuration, each built, trained and measured alone:
 
 - `float32`: Keras AdamW, float32 everything (the baseline of the ratios);
   every row uses AdamW with `beta_2=0.99`, which bfloat16 can hold;
-- `O1`: kmix mixed precision (float32 parameters, half compute, `kmix.wrap`);
+- `O1`: kmix mixed precision (float32 parameters, float16 compute, `kmix.wrap`);
+- `O1 bfloat16`: the same with bfloat16 compute (the route `kmix.recommend`
+  picks on a CPU with AVX512_BF16): its peak against float32's is the CPU's
+  memory saving at the same batch;
 - `O1 + accum x2`: gradient accumulation over 2 micro-batches of half the
   batch (one optimizer step = 2 micro-batches, the same samples per step);
 - `O1 + remat`: `kmix.layers.Remat` around every transformer block;
@@ -43,6 +46,7 @@ CONFIGS = (
     # name, policy, half, accumulation, remat, master_weights
     ("float32", "float32", None, 1, False, None),
     ("O1", "O1", "float16", 1, False, "auto"),
+    ("O1 bfloat16", "O1", "bfloat16", 1, False, "auto"),
     ("O1 + accum x2", "O1", "float16", 2, False, "auto"),
     ("O1 + remat", "O1", "float16", 1, True, "auto"),
     ("O1 + accum x2 + remat", "O1", "float16", 2, True, "auto"),

@@ -15,7 +15,7 @@ def test_quick_run_prints_the_table_and_its_figures_add_up(tmp_path, capsys):
     assert [r["name"] for r in out["results"]] == names
     lines = text.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["configuration"])
-    assert [line.rsplit("MiB", 3)[0].strip().rsplit(" ", 1)[0].strip() for line in lines[header + 2: header + 9]] == names
+    assert [line.rsplit("MiB", 3)[0].strip().rsplit(" ", 1)[0].strip() for line in lines[header + 2: header + 2 + len(names)]] == names
     by_name = {r["name"]: r for r in out["results"]}
     for r in out["results"]:
         assert r["peak_bytes"] >= r["state_bytes"] > 0 and r["step_seconds"] > 0 and np.isfinite(r["loss"])
