@@ -32,7 +32,7 @@ import keras
 import numpy as np
 
 import kmix
-from kmix.benchmarks.common import format_table, progress
+from kmix._output import format_table, progress
 
 VOCAB = 48  # token 0 is padding; 1..CLASSES are the markers; the rest are distractors
 CLASSES = 6
