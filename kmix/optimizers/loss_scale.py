@@ -11,6 +11,7 @@ from kmix._compat import (
 )
 from kmix.optimizers import accumulation
 from kmix.optimizers import master_weights as mw
+from kmix.optimizers import scale_rule
 
 _HALF = ("float16", "bfloat16")
 
@@ -25,20 +26,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     `apply(grads)`:
 
     ```
-    finite = all gradients finite            # decided on the gradients as summed over all replicas
-    if not finite:                           # skip: no weight, slot, EMA or iteration changes
-        skipped_steps += 1; good_steps = 0; hysteresis_left -= 1
-        if dynamic and hysteresis_left <= 0: scale = max(scale * backoff_factor, min_scale)
-    else:
-        apply inner optimizer to grads / scale (unscaled in float32)
-        good_steps += 1
-        if dynamic and good_steps == growth_interval:
-            good_steps = 0; hysteresis_left = hysteresis; scale = min(scale * growth_factor, max_scale)
+    grads = all-reduce(grads)                # by kmix in `allreduce_dtype`, or by the inner optimizer
+    finite = all gradients finite            # decided on the sums over all replicas
+    if finite: apply inner optimizer to grads / scale (unscaled in float32)
+    else: skip (no weight, slot, EMA or iteration changes); skipped_steps += 1
+    scale, good_steps, hysteresis_left = ScaleRule(...).adjust(state, finite)
     ```
 
-    With `hysteresis=1` and the bounds out of reach this is
-    `torch.amp.GradScaler`'s trajectory; with `hysteresis=2` it is Megatron-LM's.
-    It is a subclass of Keras's class, so `model.compile` does not wrap it
+    The scale rule (growth, back-off, hysteresis, bounds) is spelled out in
+    `kmix.optimizers.scale_rule.ScaleRule`. With `hysteresis=1` and the bounds
+    out of reach it is `torch.amp.GradScaler`'s trajectory; with
+    `hysteresis=2` it is Megatron-LM's. It is a subclass of Keras's class, so `model.compile` does not wrap it
     again and Keras's trainer calls its `scale_loss`. Keras's variables
     `dynamic_scale` (the scale) and `step_counter` (`good_steps`) are kept.
 
@@ -404,40 +402,26 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         mw.copy_to_model(self._masters, self._model_variables, indices)
 
     def _update_state(self, finite, nonfinite, scale, active=None):
-        """One step of the class docstring's pseudo-code; nothing changes where `active` is False."""
-        one = tf.constant(1, tf.int64)
-        zero = tf.constant(0, tf.int64)
-        good = tf.where(finite, tf.convert_to_tensor(self.step_counter) + 1, 0)
-        # `>=` rather than `==`: the same trajectory, and safe when LossScaleWarmup
-        # lowers the interval below a count that has already passed it.
-        grow = tf.logical_and(finite, tf.cast(good, tf.int64) >= self._growth_interval_var)
-        grow = tf.logical_and(grow, self.dynamic)
-        hysteresis_left = tf.where(
-            finite,
-            tf.where(grow, tf.constant(self.hysteresis, tf.int64), self._hysteresis_left),
-            tf.maximum(self._hysteresis_left - 1, zero),
+        """One step of `scale_rule.ScaleRule` and the counters; nothing changes where `active` is False."""
+        rule = scale_rule.ScaleRule(
+            self._growth_interval_var, self.growth_factor, self.backoff_factor, self.hysteresis,
+            self.min_scale, self.max_scale, self.dynamic,
         )
-        new_scale = scale
-        if self.dynamic:
-            backoff = tf.logical_and(tf.logical_not(finite), hysteresis_left <= 0)
-            new_scale = tf.where(grow, tf.minimum(scale * self.growth_factor, self.max_scale), scale)
-            new_scale = tf.where(
-                backoff, tf.maximum(scale * self.backoff_factor, self.min_scale), new_scale
-            )
-        skipped = tf.where(finite, zero, one)
-        overflowed = tf.cast(nonfinite > 0, tf.int64)
+        before = scale_rule.ScaleState(
+            scale, tf.convert_to_tensor(self.step_counter), tf.convert_to_tensor(self._hysteresis_left)
+        )
+        after = rule.adjust(before, finite)
+        zero = tf.constant(0, tf.int64)
+        skipped = tf.where(finite, zero, 1)
         at_floor = tf.where(scale <= self.min_scale, skipped, zero)
-        good = tf.where(grow, tf.zeros_like(good), good)
+        overflowed = tf.cast(nonfinite > 0, tf.int64)
         if active is not None:
-            keep = tf.logical_not(active)
-            good = tf.where(keep, self.step_counter, good)
-            hysteresis_left = tf.where(keep, self._hysteresis_left, hysteresis_left)
-            new_scale = tf.where(keep, scale, new_scale)
-            skipped, at_floor = (tf.where(keep, zero, t) for t in (skipped, at_floor))
-            overflowed = tf.where(keep, tf.zeros_like(overflowed), overflowed)
-        self.step_counter.assign(good)
-        self._hysteresis_left.assign(hysteresis_left)
-        self.dynamic_scale.assign(new_scale)
+            after = scale_rule.ScaleState(*(tf.where(active, a, b) for a, b in zip(after, before)))
+            skipped, at_floor = (tf.where(active, t, zero) for t in (skipped, at_floor))
+            overflowed = tf.where(active, overflowed, tf.zeros_like(overflowed))
+        self.dynamic_scale.assign(after.scale)
+        self.step_counter.assign(tf.cast(after.good_steps, self.step_counter.dtype))
+        self._hysteresis_left.assign(after.hysteresis_left)
         self._skipped_steps.assign_add(skipped)
         self._overflow_counts.assign_add(overflowed)
         self._min_scale_overflows.assign_add(at_floor)
