@@ -7,9 +7,9 @@ from kmix import _checks as checks
 from kmix._compat import (
     no_automatic_dependency_tracking,
     optimizer_variable_key,
-    strategy_supports_no_merge_call,
+    take_gradients_as_reduced,
 )
-from kmix.optimizers import accumulation
+from kmix.optimizers import accumulation, allreduce, replicas
 from kmix.optimizers import master_weights as mw
 from kmix.optimizers import scale_rule
 
@@ -69,6 +69,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             unscaled float32 gradients are summed and their mean applied once;
             one overflow discards the whole step (see `flush` for the
             remainder at the end of training).
+        allreduce_dtype: None (the default): the inner optimizer all-reduces
+            the unscaled gradients in their own dtype, as Keras does.
+            `"float16"` or `"bfloat16"`: under a strategy with more than one
+            replica (`MirroredStrategy`, `MultiWorkerMirroredStrategy`) kmix
+            sums the *scaled* gradients over the replicas in that dtype (half
+            the bytes), checks the sums for overflow (an inf on one replica,
+            or one that appears only in the sum, skips the step everywhere)
+            and unscales and applies in float32; float16 wants a dynamic
+            scale (`kmix.wrap` gives one), bfloat16 a fixed one. No strategy
+            or one replica: nothing to reduce, no effect. See
+            `kmix.optimizers.allreduce`.
         name: the optimizer's name.
 
     Example:
@@ -94,6 +105,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         master_weights="auto",
         accumulation_steps=1,
         dynamic_growth_steps=None,
+        allreduce_dtype=None,
         **kwargs,
     ):
         if dynamic_growth_steps is not None:
@@ -134,6 +146,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 f"Received: master_weights={master_weights!r}"
             )
         accumulation_steps = checks.integer("accumulation_steps", accumulation_steps)
+        allreduce_dtype = allreduce.check_dtype(allreduce_dtype)
         inner_steps = getattr(inner_optimizer, "gradient_accumulation_steps", None)
         if inner_steps:
             raise ValueError(
@@ -159,6 +172,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.dynamic = dynamic
         self.master_weights = master_weights
         self.accumulation_steps = accumulation_steps
+        self.allreduce_dtype = allreduce_dtype
 
     # ------------------------------------------------------------------ state
     @no_automatic_dependency_tracking
@@ -187,6 +201,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # Keras's build creates `step_counter` and `dynamic_scale` and builds the inner
         # optimizer on the list it is given: the float32 copies where there are some.
         super().build(inner_vars)
+        if self.allreduce_dtype is not None:
+            take_gradients_as_reduced(self.inner_optimizer)  # `apply` hands it the sums
         if self._kahan:
             buffers = {
                 optimizer_variable_key(self.inner_optimizer, var_list[i]): (var_list[i], c)
@@ -339,12 +355,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 "apply() must be called in a replica context (inside `strategy.run`), "
                 "not in the cross-replica context."
             )
+        scale = tf.convert_to_tensor(self.dynamic_scale)
+        reduce_here = allreduce.reduces_here(self.allreduce_dtype, ctx)
+        if reduce_here and self.accumulation_steps == 1:
+            # Scaled half sums, the same on every replica (accumulation reduces once per window).
+            grads = allreduce.all_reduce(grads, variables, self.allreduce_dtype, None if scaled else scale)
+            scaled = True
         nonfinite = self._nonfinite_per_variable(grads, variables)
-        if ctx.num_replicas_in_sync > 1:
+        if ctx.num_replicas_in_sync > 1 and not reduce_here:
             # Every replica sees every replica's overflow, so all skip together.
             nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
         finite = tf.equal(tf.reduce_sum(nonfinite), 0.0)
-        scale = tf.convert_to_tensor(self.dynamic_scale)
         divisor = scale if scaled else tf.ones([], scale.dtype)  # x / 1 is exact
         unscaled = [
             g if g is None or getattr(v, "overwrite_with_gradient", False) else _unscale(g, divisor)
@@ -375,21 +396,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _apply_if(self, finite, unscaled, variables):
         """Runs the inner optimizer on already unscaled gradients where `finite` holds."""
-        if strategy_supports_no_merge_call():
-            tf.cond(finite, lambda: self._apply_inner(unscaled, variables), lambda: None)
-        else:
-            ctx = tf.distribute.get_replica_context()
-            ctx.merge_call(self._cross_replica_apply, args=(finite, unscaled, variables))
-
-    def _cross_replica_apply(self, distribution, finite, unscaled, variables):
-        # tf.distribute forbids a merge call inside a replica-context cond, and the
-        # inner optimizer merges: so the cond runs here, in cross-replica context.
-        finite = distribution.experimental_local_results(finite)[0]
-
-        def apply_fn():
-            distribution.extended.call_for_each_replica(self._apply_inner, args=(unscaled, variables))
-
-        tf.cond(finite, apply_fn, lambda: None)
+        replicas.run_if(finite, self._apply_inner, unscaled, variables)
 
     def _apply_inner(self, unscaled, variables):
         if not self._masters:
@@ -487,6 +494,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             dynamic=self.dynamic,
             master_weights=self.master_weights,
             accumulation_steps=self.accumulation_steps,
+            allreduce_dtype=self.allreduce_dtype,
         )
         return config
 
