@@ -3,13 +3,12 @@
 import keras
 import tensorflow as tf
 
-from kmix import _checks as checks
 from kmix._compat import (
     no_automatic_dependency_tracking,
     optimizer_variable_key,
     take_gradients_as_reduced,
 )
-from kmix.optimizers import accumulation, allreduce, replicas
+from kmix.optimizers import accumulation, allreduce, arguments, counters, replicas
 from kmix.optimizers import master_weights as mw
 from kmix.optimizers import scale_rule
 
@@ -17,7 +16,7 @@ _HALF = ("float16", "bfloat16")
 
 
 @keras.saving.register_keras_serializable(package="kmix")
-class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(counters.LossScaleCounters, keras.optimizers.LossScaleOptimizer):
     """A `keras.optimizers.LossScaleOptimizer` with bounds, hysteresis and counters.
 
     The loss is multiplied by `loss_scale` before the backward pass so that
@@ -108,54 +107,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         allreduce_dtype=None,
         **kwargs,
     ):
-        if dynamic_growth_steps is not None:
-            if growth_interval not in (2000, dynamic_growth_steps):
-                raise ValueError(
-                    "`dynamic_growth_steps` is Keras's name for `growth_interval`; pass only "
-                    f"one. Received: growth_interval={growth_interval!r}, "
-                    f"dynamic_growth_steps={dynamic_growth_steps!r}"
-                )
-            growth_interval = dynamic_growth_steps
-        _check_inner(inner_optimizer)
-        initial_scale = checks.real("initial_scale", initial_scale, low=0.0, low_open=True)
-        growth_interval = checks.integer("growth_interval", growth_interval)
-        growth_factor = checks.real("growth_factor", growth_factor, low=1.0, low_open=True)
-        backoff_factor = checks.real(
-            "backoff_factor", backoff_factor, low=0.0, high=1.0, low_open=True, high_open=True
+        (initial_scale, growth_interval, growth_factor, backoff_factor, hysteresis, min_scale, max_scale,
+         dynamic, master_weights, accumulation_steps, allreduce_dtype) = arguments.check(
+            inner_optimizer, initial_scale, growth_interval, growth_factor, backoff_factor, hysteresis,
+            min_scale, max_scale, dynamic, master_weights, accumulation_steps, dynamic_growth_steps,
+            allreduce_dtype,
         )
-        hysteresis = checks.integer("hysteresis", hysteresis)
-        min_scale = checks.real("min_scale", min_scale, low=0.0, low_open=True)
-        max_scale = checks.real("max_scale", max_scale, low=0.0, low_open=True, allow_inf=True)
-        if min_scale > max_scale:
-            raise ValueError(
-                "`min_scale` must be <= `max_scale`. "
-                f"Received: min_scale={min_scale!r}, max_scale={max_scale!r}"
-            )
-        if not isinstance(dynamic, bool):
-            raise TypeError(f"`dynamic` must be True or False. Received: dynamic={dynamic!r}")
-        if dynamic and not min_scale <= initial_scale <= max_scale:
-            raise ValueError(
-                "`initial_scale` must lie within [min_scale, max_scale]. Received: "
-                f"initial_scale={initial_scale!r}, min_scale={min_scale!r}, max_scale={max_scale!r}"
-            )
-        if master_weights == "auto":
-            master_weights = mw.auto_master_weights()
-        elif not isinstance(master_weights, bool) and master_weights != "kahan":
-            raise ValueError(
-                "`master_weights` must be 'auto', True, False or 'kahan'. "
-                f"Received: master_weights={master_weights!r}"
-            )
-        accumulation_steps = checks.integer("accumulation_steps", accumulation_steps)
-        allreduce_dtype = allreduce.check_dtype(allreduce_dtype)
-        inner_steps = getattr(inner_optimizer, "gradient_accumulation_steps", None)
-        if inner_steps:
-            raise ValueError(
-                "The inner optimizer accumulates gradients itself "
-                f"(gradient_accumulation_steps={inner_steps}); under loss scaling a skipped "
-                "micro-batch would silently drop out of its sum and bias the step. Received: "
-                f"inner_optimizer.gradient_accumulation_steps={inner_steps!r}. Use "
-                f"`kmix.wrap(opt, accumulation_steps={inner_steps})` on an optimizer without it."
-            )
         super().__init__(
             inner_optimizer,
             initial_scale=initial_scale,
@@ -209,25 +166,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 for i, c in self._kahan.items()
             }
             mw.install_kahan_hooks(self.inner_optimizer, buffers)
-        self._skipped_steps = self._int_variable("skipped_steps")
-        self._hysteresis_left = self._int_variable("hysteresis_left", initial=self.hysteresis)
-        self._overflow_counts = self._int_variable("overflow_counts", shape=(len(var_list),))
-        self._min_scale_overflows = self._int_variable("min_scale_overflows")
-        self._growth_interval_var = self._int_variable(
-            "current_growth_interval", initial=self.growth_interval
-        )
+        self._create_counters(len(var_list))
         self._index = {id(v): i for i, v in enumerate(var_list)}
         if self.accumulation_steps > 1:
             accumulation.create_state(self, var_list)
-
-    def _int_variable(self, name, shape=(), initial=0):
-        return self.add_variable(
-            shape=shape,
-            dtype="int64",
-            initializer=keras.initializers.Constant(initial),
-            aggregation="none",
-            name=name,
-        )
 
     @property
     def loss_scale(self):
@@ -235,61 +177,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if not self.built:
             return tf.constant(self.initial_scale, tf.float32)
         return tf.convert_to_tensor(self.dynamic_scale)
-
-    @property
-    def good_steps(self):
-        """Finite steps since the scale last changed (Keras's `step_counter`)."""
-        return self._built_attr("step_counter")
-
-    @property
-    def skipped_steps(self):
-        """How many steps were skipped for non-finite gradients (an int64 variable)."""
-        return self._built_attr("_skipped_steps")
-
-    @property
-    def hysteresis_left(self):
-        """Overflows left before the next back-off (an int64 variable)."""
-        return self._built_attr("_hysteresis_left")
-
-    @property
-    def overflow_counts(self):
-        """Per trainable variable, how often its gradient was non-finite (int64 vector)."""
-        return self._built_attr("_overflow_counts")
-
-    @property
-    def min_scale_overflows(self):
-        """Overflows that happened while the scale was already at `min_scale`."""
-        return self._built_attr("_min_scale_overflows")
-
-    @property
-    def current_growth_interval(self):
-        """The growth interval in force (a variable: `LossScaleWarmup` changes it)."""
-        return self._built_attr("_growth_interval_var")
-
-    def _built_attr(self, name):
-        if not self.built:
-            raise ValueError(
-                f"{type(self).__name__} {self.name!r} is not built yet: its counters exist once "
-                "it has applied a step or `optimizer.build(model.trainable_variables)` was called."
-            )
-        return getattr(self, name)
-
-    def overflow_report(self, top=None):
-        """The variables whose gradients were non-finite, most frequent first.
-
-        Args:
-            top: keep only the first `top` rows; all by default.
-
-        Returns:
-            A list of `(variable_path, count)` with `count > 0`, sorted by count
-            (descending), then path.
-        """
-        counts = [int(c) for c in tf.convert_to_tensor(self.overflow_counts).numpy()]
-        rows = sorted(
-            ((p, c) for p, c in zip(self._variable_paths, counts) if c > 0),
-            key=lambda row: (-row[1], row[0]),
-        )
-        return rows if top is None else rows[:top]
 
     # ------------------------------------------------------------------ loss
     def scale_loss(self, loss):
@@ -451,20 +338,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             )
         return variables
 
-    def _nonfinite_per_variable(self, grads, variables):
-        """A float32 vector, one entry per built variable: 1 where its gradient is non-finite."""
-        slots = {}
-        for g, v in zip(grads, variables):
-            if g is not None:
-                values = g.values if isinstance(g, tf.IndexedSlices) else g
-                slots[self._index[id(v)]] = tf.reduce_all(tf.math.is_finite(values))
-        if not slots:
-            return tf.zeros((len(self._model_variables),), tf.float32)
-        # One stack and one cast for all variables: per-variable casts cost
-        # an op each, which shows on models with many small variables.
-        finite = tf.stack([slots.get(i, True) for i in range(len(self._model_variables))])
-        return tf.cast(tf.logical_not(finite), tf.float32)
-
     def finalize_variable_values(self, var_list):
         """Applies a pending partial accumulation, then lets the inner optimizer finalize (EMA)."""
         self.flush()
@@ -515,21 +388,6 @@ def _unscale(g, scale):
     if g.dtype in (tf.float16, tf.bfloat16):
         g = tf.cast(g, tf.float32)
     return g / tf.cast(scale, g.dtype)
-
-
-def _check_inner(inner):
-    if isinstance(inner, keras.optimizers.LossScaleOptimizer):
-        raise ValueError(
-            "`inner_optimizer` is already a LossScaleOptimizer; scaling twice would square "
-            f"the scale. Received: inner_optimizer={inner!r}. Use `kmix.wrap(opt)`, which "
-            "re-wraps a Keras LossScaleOptimizer's inner optimizer."
-        )
-    if not isinstance(inner, keras.optimizers.Optimizer):
-        raise TypeError(
-            "`inner_optimizer` must be a `keras.optimizers.Optimizer` instance. Received: "
-            f"inner_optimizer={inner!r} (of type {type(inner).__name__}). Use `kmix.wrap('adam')` "
-            "to create one from a name or a config."
-        )
 
 
 def _dtype(v):
