@@ -35,7 +35,9 @@ class LossScaleOptimizer(counters.LossScaleCounters, keras.optimizers.LossScaleO
     The scale rule (growth, back-off, hysteresis, bounds) is spelled out in
     `kmix.optimizers.scale_rule.ScaleRule`. With `hysteresis=1` and the bounds
     out of reach it is `torch.amp.GradScaler`'s trajectory; with
-    `hysteresis=2` it is Megatron-LM's. It is a subclass of Keras's class, so `model.compile` does not wrap it
+    `hysteresis=2` it is Megatron-LM's.
+
+    It is a subclass of Keras's class, so `model.compile` does not wrap it
     again and Keras's trainer calls its `scale_loss`. Keras's variables
     `dynamic_scale` (the scale) and `step_counter` (`good_steps`) are kept.
 
@@ -297,10 +299,8 @@ class LossScaleOptimizer(counters.LossScaleCounters, keras.optimizers.LossScaleO
 
     def _update_state(self, finite, nonfinite, scale, active=None):
         """One step of `scale_rule.ScaleRule` and the counters; nothing changes where `active` is False."""
-        rule = scale_rule.ScaleRule(
-            self._growth_interval_var, self.growth_factor, self.backoff_factor, self.hysteresis,
-            self.min_scale, self.max_scale, self.dynamic,
-        )
+        rule = scale_rule.ScaleRule(self._growth_interval_var, self.growth_factor, self.backoff_factor,
+                                    self.hysteresis, self.min_scale, self.max_scale, self.dynamic)
         before = scale_rule.ScaleState(
             scale, tf.convert_to_tensor(self.step_counter), tf.convert_to_tensor(self._hysteresis_left)
         )
