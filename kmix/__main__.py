@@ -6,6 +6,7 @@ import os
 import sys
 
 BENCHES = {
+    "allreduce": "kmix.benchmarks.allreduce",
     "memory": "kmix.benchmarks.memory",
     "overhead": "kmix.benchmarks.overhead",
     "predict": "kmix.benchmarks.predict",

@@ -336,3 +336,19 @@ def xplane_proto():
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     return xplane_pb2
+
+
+def take_gradients_as_reduced(optimizer):
+    """Makes a Keras optimizer apply the gradients it is given without all-reducing them.
+
+    `kmix.LossScaleOptimizer(..., allreduce_dtype=...)` sums the gradients over
+    the replicas itself, in float16 or bfloat16, and checks the sums; the
+    inner optimizer must not sum them a second time. Keras 3's TensorFlow
+    optimizer all-reduces inside `_backend_update_step` through its private
+    method `_all_reduce_sum_gradients` and has no public switch (tf.keras's
+    `apply_gradients(..., skip_gradients_aggregation=True)` is gone). This
+    replaces that method on this one instance (its class and other optimizers
+    keep Keras's), for good: its owner reduces every gradient it hands over.
+    Keras's TF optimizer filters None gradients before calling it.
+    """
+    optimizer._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)

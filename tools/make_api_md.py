@@ -49,7 +49,11 @@ def render():
             seen.add(id(obj))
             lines += [f"### `{package}.{name}{signature(obj)}`", "", inspect.getdoc(obj) or "", ""]
             if isinstance(obj, type):
-                for attr, member in sorted(vars(obj).items()):
+                members = {}  # the class's own, and those of kmix mixins it inherits (counters)
+                for klass in reversed(obj.__mro__):
+                    if klass is obj or klass.__module__.startswith("kmix."):
+                        members.update(vars(klass))
+                for attr, member in sorted(members.items()):
                     if attr.startswith("_") or attr in ("call", "build", "get_config", "from_config"):
                         continue
                     if isinstance(member, property) or inspect.isfunction(member) or isinstance(member, classmethod):

@@ -14,10 +14,14 @@ Windows run across epoch boundaries (nothing is dropped); what is left at the
 end of training is applied by `LossScaleOptimizer.flush()` with the number of
 micro-batches actually summed as the divisor. Under `tf.distribute` each
 replica accumulates its own local gradients; the inner optimizer all-reduces
-the means as usual.
+the means as usual, or, with `allreduce_dtype`, kmix reduces the scaled
+means in half precision once per window (a replica that saw an overflow in
+the window sends NaN, so every replica skips).
 """
 
 import tensorflow as tf
+
+from kmix.optimizers import allreduce, replicas
 
 
 def create_state(opt, var_list):
@@ -64,12 +68,31 @@ def flush(opt):
 
 
 def _finish(opt, end, window, count, scale):
-    clean = tf.equal(tf.reduce_sum(window), 0.0)
     divisor = tf.cast(tf.maximum(count, 1), tf.float32)
-    means = [acc / divisor if on else None for acc, on in zip(opt._accumulators, opt._accumulated)]
-    opt._apply_if(tf.logical_and(end, clean), means, opt._model_variables)
-    opt._update_state(clean, window, scale, active=end)
+    if allreduce.reduces_here(opt.allreduce_dtype, tf.distribute.get_replica_context()):
+        # One half-precision all-reduce per window, on every replica at once (`end` is the same).
+        replicas.run_if(end, _reduce_and_apply, opt, window, divisor, scale)
+    else:
+        clean = tf.equal(tf.reduce_sum(window), 0.0)
+        means = [acc / divisor if on else None for acc, on in zip(opt._accumulators, opt._accumulated)]
+        opt._apply_if(tf.logical_and(end, clean), means, opt._model_variables)
+        opt._update_state(clean, window, scale, active=end)
     for acc in opt._accumulators:
         acc.assign(tf.where(end, tf.zeros_like(acc), acc))
     opt._micro_step.assign(tf.where(end, tf.zeros_like(count), count))
     opt._window_nonfinite.assign(tf.where(end, tf.zeros_like(window), window))
+
+
+def _reduce_and_apply(opt, window, divisor, scale):
+    """Reduces the window's scaled means in `allreduce_dtype`, checks the sums, applies or skips.
+
+    `window` holds this replica's own overflows only: where it saw one, it
+    sends NaN for that variable, so the sums show it on every replica.
+    """
+    means = [acc * (scale / divisor) if on else None for acc, on in zip(opt._accumulators, opt._accumulated)]
+    bad = [window[i] > 0 for i in range(len(means))]
+    sums = allreduce.all_reduce(means, opt._model_variables, opt.allreduce_dtype, poison=bad)
+    nonfinite = opt._nonfinite_per_variable(sums, opt._model_variables)
+    finite = tf.equal(tf.reduce_sum(nonfinite), 0.0)
+    opt._apply_if(finite, [None if s is None else s / scale for s in sums], opt._model_variables)
+    opt._update_state(finite, nonfinite, scale)

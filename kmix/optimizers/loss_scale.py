@@ -3,20 +3,20 @@
 import keras
 import tensorflow as tf
 
-from kmix import _checks as checks
 from kmix._compat import (
     no_automatic_dependency_tracking,
     optimizer_variable_key,
-    strategy_supports_no_merge_call,
+    take_gradients_as_reduced,
 )
-from kmix.optimizers import accumulation
+from kmix.optimizers import accumulation, allreduce, arguments, counters, replicas
 from kmix.optimizers import master_weights as mw
+from kmix.optimizers import scale_rule
 
 _HALF = ("float16", "bfloat16")
 
 
 @keras.saving.register_keras_serializable(package="kmix")
-class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(counters.LossScaleCounters, keras.optimizers.LossScaleOptimizer):
     """A `keras.optimizers.LossScaleOptimizer` with bounds, hysteresis and counters.
 
     The loss is multiplied by `loss_scale` before the backward pass so that
@@ -25,19 +25,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     `apply(grads)`:
 
     ```
-    finite = all gradients finite            # decided on the gradients as summed over all replicas
-    if not finite:                           # skip: no weight, slot, EMA or iteration changes
-        skipped_steps += 1; good_steps = 0; hysteresis_left -= 1
-        if dynamic and hysteresis_left <= 0: scale = max(scale * backoff_factor, min_scale)
-    else:
-        apply inner optimizer to grads / scale (unscaled in float32)
-        good_steps += 1
-        if dynamic and good_steps == growth_interval:
-            good_steps = 0; hysteresis_left = hysteresis; scale = min(scale * growth_factor, max_scale)
+    grads = all-reduce(grads)                # by kmix in `allreduce_dtype`, or by the inner optimizer
+    finite = all gradients finite            # decided on the sums over all replicas
+    if finite: apply inner optimizer to grads / scale (unscaled in float32)
+    else: skip (no weight, slot, EMA or iteration changes); skipped_steps += 1
+    scale, good_steps, hysteresis_left = ScaleRule(...).adjust(state, finite)
     ```
 
-    With `hysteresis=1` and the bounds out of reach this is
-    `torch.amp.GradScaler`'s trajectory; with `hysteresis=2` it is Megatron-LM's.
+    The scale rule (growth, back-off, hysteresis, bounds) is spelled out in
+    `kmix.optimizers.scale_rule.ScaleRule`. With `hysteresis=1` and the bounds
+    out of reach it is `torch.amp.GradScaler`'s trajectory; with
+    `hysteresis=2` it is Megatron-LM's.
+
     It is a subclass of Keras's class, so `model.compile` does not wrap it
     again and Keras's trainer calls its `scale_loss`. Keras's variables
     `dynamic_scale` (the scale) and `step_counter` (`good_steps`) are kept.
@@ -71,6 +70,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             unscaled float32 gradients are summed and their mean applied once;
             one overflow discards the whole step (see `flush` for the
             remainder at the end of training).
+        allreduce_dtype: None (the default): the inner optimizer all-reduces
+            the unscaled gradients in their own dtype, as Keras does.
+            `"float16"` or `"bfloat16"`: under a strategy with more than one
+            replica (`MirroredStrategy`, `MultiWorkerMirroredStrategy`) kmix
+            sums the *scaled* gradients over the replicas in that dtype (half
+            the bytes), checks the sums for overflow (an inf on one replica,
+            or one that appears only in the sum, skips the step everywhere)
+            and unscales and applies in float32; float16 wants a dynamic
+            scale (`kmix.wrap` gives one), bfloat16 a fixed one. No strategy
+            or one replica: nothing to reduce, no effect. See
+            `kmix.optimizers.allreduce`.
         name: the optimizer's name.
 
     Example:
@@ -96,55 +106,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         master_weights="auto",
         accumulation_steps=1,
         dynamic_growth_steps=None,
+        allreduce_dtype=None,
         **kwargs,
     ):
-        if dynamic_growth_steps is not None:
-            if growth_interval not in (2000, dynamic_growth_steps):
-                raise ValueError(
-                    "`dynamic_growth_steps` is Keras's name for `growth_interval`; pass only "
-                    f"one. Received: growth_interval={growth_interval!r}, "
-                    f"dynamic_growth_steps={dynamic_growth_steps!r}"
-                )
-            growth_interval = dynamic_growth_steps
-        _check_inner(inner_optimizer)
-        initial_scale = checks.real("initial_scale", initial_scale, low=0.0, low_open=True)
-        growth_interval = checks.integer("growth_interval", growth_interval)
-        growth_factor = checks.real("growth_factor", growth_factor, low=1.0, low_open=True)
-        backoff_factor = checks.real(
-            "backoff_factor", backoff_factor, low=0.0, high=1.0, low_open=True, high_open=True
+        (initial_scale, growth_interval, growth_factor, backoff_factor, hysteresis, min_scale, max_scale,
+         dynamic, master_weights, accumulation_steps, allreduce_dtype) = arguments.check(
+            inner_optimizer, initial_scale, growth_interval, growth_factor, backoff_factor, hysteresis,
+            min_scale, max_scale, dynamic, master_weights, accumulation_steps, dynamic_growth_steps,
+            allreduce_dtype,
         )
-        hysteresis = checks.integer("hysteresis", hysteresis)
-        min_scale = checks.real("min_scale", min_scale, low=0.0, low_open=True)
-        max_scale = checks.real("max_scale", max_scale, low=0.0, low_open=True, allow_inf=True)
-        if min_scale > max_scale:
-            raise ValueError(
-                "`min_scale` must be <= `max_scale`. "
-                f"Received: min_scale={min_scale!r}, max_scale={max_scale!r}"
-            )
-        if not isinstance(dynamic, bool):
-            raise TypeError(f"`dynamic` must be True or False. Received: dynamic={dynamic!r}")
-        if dynamic and not min_scale <= initial_scale <= max_scale:
-            raise ValueError(
-                "`initial_scale` must lie within [min_scale, max_scale]. Received: "
-                f"initial_scale={initial_scale!r}, min_scale={min_scale!r}, max_scale={max_scale!r}"
-            )
-        if master_weights == "auto":
-            master_weights = mw.auto_master_weights()
-        elif not isinstance(master_weights, bool) and master_weights != "kahan":
-            raise ValueError(
-                "`master_weights` must be 'auto', True, False or 'kahan'. "
-                f"Received: master_weights={master_weights!r}"
-            )
-        accumulation_steps = checks.integer("accumulation_steps", accumulation_steps)
-        inner_steps = getattr(inner_optimizer, "gradient_accumulation_steps", None)
-        if inner_steps:
-            raise ValueError(
-                "The inner optimizer accumulates gradients itself "
-                f"(gradient_accumulation_steps={inner_steps}); under loss scaling a skipped "
-                "micro-batch would silently drop out of its sum and bias the step. Received: "
-                f"inner_optimizer.gradient_accumulation_steps={inner_steps!r}. Use "
-                f"`kmix.wrap(opt, accumulation_steps={inner_steps})` on an optimizer without it."
-            )
         super().__init__(
             inner_optimizer,
             initial_scale=initial_scale,
@@ -161,6 +131,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.dynamic = dynamic
         self.master_weights = master_weights
         self.accumulation_steps = accumulation_steps
+        self.allreduce_dtype = allreduce_dtype
 
     # ------------------------------------------------------------------ state
     @no_automatic_dependency_tracking
@@ -189,31 +160,18 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         # Keras's build creates `step_counter` and `dynamic_scale` and builds the inner
         # optimizer on the list it is given: the float32 copies where there are some.
         super().build(inner_vars)
+        if self.allreduce_dtype is not None:
+            take_gradients_as_reduced(self.inner_optimizer)  # `apply` hands it the sums
         if self._kahan:
             buffers = {
                 optimizer_variable_key(self.inner_optimizer, var_list[i]): (var_list[i], c)
                 for i, c in self._kahan.items()
             }
             mw.install_kahan_hooks(self.inner_optimizer, buffers)
-        self._skipped_steps = self._int_variable("skipped_steps")
-        self._hysteresis_left = self._int_variable("hysteresis_left", initial=self.hysteresis)
-        self._overflow_counts = self._int_variable("overflow_counts", shape=(len(var_list),))
-        self._min_scale_overflows = self._int_variable("min_scale_overflows")
-        self._growth_interval_var = self._int_variable(
-            "current_growth_interval", initial=self.growth_interval
-        )
+        self._create_counters(len(var_list))
         self._index = {id(v): i for i, v in enumerate(var_list)}
         if self.accumulation_steps > 1:
             accumulation.create_state(self, var_list)
-
-    def _int_variable(self, name, shape=(), initial=0):
-        return self.add_variable(
-            shape=shape,
-            dtype="int64",
-            initializer=keras.initializers.Constant(initial),
-            aggregation="none",
-            name=name,
-        )
 
     @property
     def loss_scale(self):
@@ -221,61 +179,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if not self.built:
             return tf.constant(self.initial_scale, tf.float32)
         return tf.convert_to_tensor(self.dynamic_scale)
-
-    @property
-    def good_steps(self):
-        """Finite steps since the scale last changed (Keras's `step_counter`)."""
-        return self._built_attr("step_counter")
-
-    @property
-    def skipped_steps(self):
-        """How many steps were skipped for non-finite gradients (an int64 variable)."""
-        return self._built_attr("_skipped_steps")
-
-    @property
-    def hysteresis_left(self):
-        """Overflows left before the next back-off (an int64 variable)."""
-        return self._built_attr("_hysteresis_left")
-
-    @property
-    def overflow_counts(self):
-        """Per trainable variable, how often its gradient was non-finite (int64 vector)."""
-        return self._built_attr("_overflow_counts")
-
-    @property
-    def min_scale_overflows(self):
-        """Overflows that happened while the scale was already at `min_scale`."""
-        return self._built_attr("_min_scale_overflows")
-
-    @property
-    def current_growth_interval(self):
-        """The growth interval in force (a variable: `LossScaleWarmup` changes it)."""
-        return self._built_attr("_growth_interval_var")
-
-    def _built_attr(self, name):
-        if not self.built:
-            raise ValueError(
-                f"{type(self).__name__} {self.name!r} is not built yet: its counters exist once "
-                "it has applied a step or `optimizer.build(model.trainable_variables)` was called."
-            )
-        return getattr(self, name)
-
-    def overflow_report(self, top=None):
-        """The variables whose gradients were non-finite, most frequent first.
-
-        Args:
-            top: keep only the first `top` rows; all by default.
-
-        Returns:
-            A list of `(variable_path, count)` with `count > 0`, sorted by count
-            (descending), then path.
-        """
-        counts = [int(c) for c in tf.convert_to_tensor(self.overflow_counts).numpy()]
-        rows = sorted(
-            ((p, c) for p, c in zip(self._variable_paths, counts) if c > 0),
-            key=lambda row: (-row[1], row[0]),
-        )
-        return rows if top is None else rows[:top]
 
     # ------------------------------------------------------------------ loss
     def scale_loss(self, loss):
@@ -341,12 +244,17 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 "apply() must be called in a replica context (inside `strategy.run`), "
                 "not in the cross-replica context."
             )
+        scale = tf.convert_to_tensor(self.dynamic_scale)
+        reduce_here = allreduce.reduces_here(self.allreduce_dtype, ctx)
+        if reduce_here and self.accumulation_steps == 1:
+            # Scaled half sums, the same on every replica (accumulation reduces once per window).
+            grads = allreduce.all_reduce(grads, variables, self.allreduce_dtype, None if scaled else scale)
+            scaled = True
         nonfinite = self._nonfinite_per_variable(grads, variables)
-        if ctx.num_replicas_in_sync > 1:
+        if ctx.num_replicas_in_sync > 1 and not reduce_here:
             # Every replica sees every replica's overflow, so all skip together.
             nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
         finite = tf.equal(tf.reduce_sum(nonfinite), 0.0)
-        scale = tf.convert_to_tensor(self.dynamic_scale)
         divisor = scale if scaled else tf.ones([], scale.dtype)  # x / 1 is exact
         unscaled = [
             g if g is None or getattr(v, "overwrite_with_gradient", False) else _unscale(g, divisor)
@@ -377,21 +285,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _apply_if(self, finite, unscaled, variables):
         """Runs the inner optimizer on already unscaled gradients where `finite` holds."""
-        if strategy_supports_no_merge_call():
-            tf.cond(finite, lambda: self._apply_inner(unscaled, variables), lambda: None)
-        else:
-            ctx = tf.distribute.get_replica_context()
-            ctx.merge_call(self._cross_replica_apply, args=(finite, unscaled, variables))
-
-    def _cross_replica_apply(self, distribution, finite, unscaled, variables):
-        # tf.distribute forbids a merge call inside a replica-context cond, and the
-        # inner optimizer merges: so the cond runs here, in cross-replica context.
-        finite = distribution.experimental_local_results(finite)[0]
-
-        def apply_fn():
-            distribution.extended.call_for_each_replica(self._apply_inner, args=(unscaled, variables))
-
-        tf.cond(finite, apply_fn, lambda: None)
+        replicas.run_if(finite, self._apply_inner, unscaled, variables)
 
     def _apply_inner(self, unscaled, variables):
         if not self._masters:
@@ -404,40 +298,24 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         mw.copy_to_model(self._masters, self._model_variables, indices)
 
     def _update_state(self, finite, nonfinite, scale, active=None):
-        """One step of the class docstring's pseudo-code; nothing changes where `active` is False."""
-        one = tf.constant(1, tf.int64)
-        zero = tf.constant(0, tf.int64)
-        good = tf.where(finite, tf.convert_to_tensor(self.step_counter) + 1, 0)
-        # `>=` rather than `==`: the same trajectory, and safe when LossScaleWarmup
-        # lowers the interval below a count that has already passed it.
-        grow = tf.logical_and(finite, tf.cast(good, tf.int64) >= self._growth_interval_var)
-        grow = tf.logical_and(grow, self.dynamic)
-        hysteresis_left = tf.where(
-            finite,
-            tf.where(grow, tf.constant(self.hysteresis, tf.int64), self._hysteresis_left),
-            tf.maximum(self._hysteresis_left - 1, zero),
+        """One step of `scale_rule.ScaleRule` and the counters; nothing changes where `active` is False."""
+        rule = scale_rule.ScaleRule(self._growth_interval_var, self.growth_factor, self.backoff_factor,
+                                    self.hysteresis, self.min_scale, self.max_scale, self.dynamic)
+        before = scale_rule.ScaleState(
+            scale, tf.convert_to_tensor(self.step_counter), tf.convert_to_tensor(self._hysteresis_left)
         )
-        new_scale = scale
-        if self.dynamic:
-            backoff = tf.logical_and(tf.logical_not(finite), hysteresis_left <= 0)
-            new_scale = tf.where(grow, tf.minimum(scale * self.growth_factor, self.max_scale), scale)
-            new_scale = tf.where(
-                backoff, tf.maximum(scale * self.backoff_factor, self.min_scale), new_scale
-            )
-        skipped = tf.where(finite, zero, one)
-        overflowed = tf.cast(nonfinite > 0, tf.int64)
+        after = rule.adjust(before, finite)
+        zero = tf.constant(0, tf.int64)
+        skipped = tf.where(finite, zero, 1)
         at_floor = tf.where(scale <= self.min_scale, skipped, zero)
-        good = tf.where(grow, tf.zeros_like(good), good)
+        overflowed = tf.cast(nonfinite > 0, tf.int64)
         if active is not None:
-            keep = tf.logical_not(active)
-            good = tf.where(keep, self.step_counter, good)
-            hysteresis_left = tf.where(keep, self._hysteresis_left, hysteresis_left)
-            new_scale = tf.where(keep, scale, new_scale)
-            skipped, at_floor = (tf.where(keep, zero, t) for t in (skipped, at_floor))
-            overflowed = tf.where(keep, tf.zeros_like(overflowed), overflowed)
-        self.step_counter.assign(good)
-        self._hysteresis_left.assign(hysteresis_left)
-        self.dynamic_scale.assign(new_scale)
+            after = scale_rule.ScaleState(*(tf.where(active, a, b) for a, b in zip(after, before)))
+            skipped, at_floor = (tf.where(active, t, zero) for t in (skipped, at_floor))
+            overflowed = tf.where(active, overflowed, tf.zeros_like(overflowed))
+        self.dynamic_scale.assign(after.scale)
+        self.step_counter.assign(tf.cast(after.good_steps, self.step_counter.dtype))
+        self._hysteresis_left.assign(after.hysteresis_left)
         self._skipped_steps.assign_add(skipped)
         self._overflow_counts.assign_add(overflowed)
         self._min_scale_overflows.assign_add(at_floor)
@@ -459,20 +337,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                 f"does not know: {unknown[:5]}. Build it with every variable it will update."
             )
         return variables
-
-    def _nonfinite_per_variable(self, grads, variables):
-        """A float32 vector, one entry per built variable: 1 where its gradient is non-finite."""
-        slots = {}
-        for g, v in zip(grads, variables):
-            if g is not None:
-                values = g.values if isinstance(g, tf.IndexedSlices) else g
-                slots[self._index[id(v)]] = tf.reduce_all(tf.math.is_finite(values))
-        if not slots:
-            return tf.zeros((len(self._model_variables),), tf.float32)
-        # One stack and one cast for all variables: per-variable casts cost
-        # an op each, which shows on models with many small variables.
-        finite = tf.stack([slots.get(i, True) for i in range(len(self._model_variables))])
-        return tf.cast(tf.logical_not(finite), tf.float32)
 
     def finalize_variable_values(self, var_list):
         """Applies a pending partial accumulation, then lets the inner optimizer finalize (EMA)."""
@@ -503,6 +367,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             dynamic=self.dynamic,
             master_weights=self.master_weights,
             accumulation_steps=self.accumulation_steps,
+            allreduce_dtype=self.allreduce_dtype,
         )
         return config
 
@@ -523,21 +388,6 @@ def _unscale(g, scale):
     if g.dtype in (tf.float16, tf.bfloat16):
         g = tf.cast(g, tf.float32)
     return g / tf.cast(scale, g.dtype)
-
-
-def _check_inner(inner):
-    if isinstance(inner, keras.optimizers.LossScaleOptimizer):
-        raise ValueError(
-            "`inner_optimizer` is already a LossScaleOptimizer; scaling twice would square "
-            f"the scale. Received: inner_optimizer={inner!r}. Use `kmix.wrap(opt)`, which "
-            "re-wraps a Keras LossScaleOptimizer's inner optimizer."
-        )
-    if not isinstance(inner, keras.optimizers.Optimizer):
-        raise TypeError(
-            "`inner_optimizer` must be a `keras.optimizers.Optimizer` instance. Received: "
-            f"inner_optimizer={inner!r} (of type {type(inner).__name__}). Use `kmix.wrap('adam')` "
-            "to create one from a name or a config."
-        )
 
 
 def _dtype(v):

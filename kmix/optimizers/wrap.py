@@ -17,7 +17,9 @@ def wrap(optimizer, **kwargs):
     torch's defaults: 2^15, x2 every 2000 finite steps, /2 on overflow). Under
     bfloat16 or float32, which need no loss scaling, the scale is fixed at 1
     (`dynamic=False, initial_scale=1`) and non-finite steps are still skipped,
-    so one bad batch never corrupts the weights.
+    so one bad batch never corrupts the weights. With
+    `allreduce_dtype="float16"` the scale is dynamic under any policy: the
+    scaled gradients are summed in float16, whose range the scale must fit.
 
     Args:
         optimizer: a Keras optimizer instance, a name (`"adam"`) or a config
@@ -38,6 +40,7 @@ def wrap(optimizer, **kwargs):
 
     >>> model.compile(optimizer=kmix.wrap(keras.optimizers.AdamW(3e-4)), loss="mse")
     >>> kmix.wrap("adam", hysteresis=2)
+    >>> kmix.wrap("adam", allreduce_dtype="float16")  # gradients summed in float16 across replicas
     """
     _enable_multi_worker_fit_in_scope()
     if isinstance(optimizer, LossScaleOptimizer):
@@ -61,7 +64,9 @@ def wrap(optimizer, **kwargs):
         return LossScaleOptimizer(optimizer.inner_optimizer, **{**defaults, **kwargs})
     inner = _get_optimizer(optimizer)
     compute = keras.config.dtype_policy().compute_dtype
-    defaults = {} if compute == "float16" else {"dynamic": False, "initial_scale": 1.0}
+    # float16 computing or float16 all-reduce (whose range the scale must use) wants a dynamic scale.
+    half_range = compute == "float16" or kwargs.get("allreduce_dtype") == "float16"
+    defaults = {} if half_range else {"dynamic": False, "initial_scale": 1.0}
     if kwargs.get("dynamic", defaults.get("dynamic", True)) is False and "min_scale" not in kwargs:
         defaults["min_scale"] = min(1.0, kwargs.get("initial_scale", 1.0))
     return LossScaleOptimizer(inner, **{**defaults, **kwargs})

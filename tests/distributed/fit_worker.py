@@ -6,7 +6,7 @@
 two logical CPUs. Both see the same global batches: a `tf.data.Dataset` of
 batches of `GLOBAL_BATCH` rows, split in halves (a worker's or a replica's).
 
-`--scenario all` trains five models one after the other and writes
+`--scenario all` trains ten models one after the other and writes
 `<out>/<strategy><index>.npz`:
 - `kmix_*`: mixed_float16, `kmix.wrap(Adam)`, `validation_data` (arrays), a
   last partial batch, an inf in worker 1's half of one batch; then `evaluate`
@@ -16,6 +16,9 @@ batches of `GLOBAL_BATCH` rows, split in halves (a worker's or a replica's).
   the partial batch).
 - `keras_*`, `subclass_*`: the same fit with Keras's own `LossScaleOptimizer`
   and with a user subclass of it.
+- `fit_float16_*`, `fit_bfloat16_*`: the `kmix_*` fit with `allreduce_dtype`;
+  `loop_<dtype>_*`: a custom loop over the five full batches with
+  `allreduce_dtype` float16, bfloat16 and None (float32 sums).
 - `backup_*`: `EPOCHS` epochs with `BackupAndRestore(save_freq="epoch")`.
 `--scenario backup` trains only the last one, without calling
 `enable_multi_worker_fit` (`kmix.wrap` in the strategy's scope does);
@@ -132,6 +135,27 @@ def main():
         print(f"{args.strategy} {index}: {prefix} done", flush=True)
         return model
 
+    def custom_loop(prefix, allreduce_dtype):
+        """The same batches in a custom loop (`strategy.run`, `scale_loss`, `apply`)."""
+        with strategy.scope():
+            model = build_model(keras)
+            optimizer = kmix.wrap(keras.optimizers.Adam(1e-2), initial_scale=2.0**10, allreduce_dtype=allreduce_dtype)
+            optimizer.build(model.trainable_variables)
+
+        def step_fn(xb, yb):
+            with tf.GradientTape() as tape:
+                per_example = keras.losses.mean_squared_error(yb, model(xb, training=True))
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+                scaled = optimizer.scale_loss(loss)
+            optimizer.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
+
+        step = tf.function(lambda batch: strategy.run(step_fn, args=batch))
+        # Full batches only: compute_average_loss divides by the global batch size.
+        for batch in strategy.experimental_distribute_dataset(batches(x[:40], y[:40])):
+            step(batch)
+        state.update(optimizer_state(keras, prefix, model, optimizer))
+        print(f"{args.strategy} {index}: {prefix} done", flush=True)
+
     if args.scenario == "all":
         for prefix, steps in (("kmix", 1), ("steps2", 2)):
             # initial_scale 2^10: the injected inf is the only overflow (2^15 overflows once more).
@@ -150,6 +174,10 @@ def main():
                 print(f"{args.strategy} {index}: direct call done", flush=True)
         fit("keras", lambda opt: keras.optimizers.LossScaleOptimizer(opt, initial_scale=2.0**10))
         fit("subclass", SubclassedLSO)
+        for dtype in ("float16", "bfloat16"):  # the kmix_ fit with gradients summed in half precision
+            fit(f"fit_{dtype}", lambda opt: kmix.wrap(opt, initial_scale=2.0**10, allreduce_dtype=dtype))
+            custom_loop(f"loop_{dtype}", dtype)
+        custom_loop("loop_float32", None)
 
     die_epoch, die_batch = (int(v) for v in args.die_at.split(":")) if args.die_at else (-1, -1)
     if index != 1:  # only worker 1 dies; worker 0 then waits in a collective until killed
