@@ -94,7 +94,9 @@ def measure_apply(layers=64, width=16, steps=200, rounds=5):
             inner, dynamic=True, initial_scale=2.0**15
         )
         opt.build(variables)
-        applies[kind] = tf.function(lambda opt=opt: opt.apply(grads, variables))
+        # The gradients stand for those of a scaled loss; kmix is told so (no scale_loss here).
+        extra = {"scaled": True} if kind == "kmix" else {}
+        applies[kind] = tf.function(lambda opt=opt, extra=extra: opt.apply(grads, variables, **extra))
     per_apply = {kind: [] for kind in applies}
     for r in range(rounds):
         for kind, fn in applies.items():

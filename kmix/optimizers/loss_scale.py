@@ -11,6 +11,7 @@ from kmix._compat import (
 )
 from kmix.optimizers import accumulation
 from kmix.optimizers import master_weights as mw
+from kmix.optimizers import scaled_check
 
 _HALF = ("float16", "bfloat16")
 
@@ -284,7 +285,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         Before the optimizer is built this uses `initial_scale`; a `tf.function`
         that builds the optimizer on its first call is traced again by
         TensorFlow once the variables exist, so the graph reads the variable.
+        It also records, for this step, that the loss was scaled: see `apply_gradients`.
         """
+        scaled_check.mark_scaled(self)
         return super().scale_loss(loss)
 
     def get_scaled_loss(self, loss):
@@ -302,7 +305,32 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return [None if g is None else _unscale(g, scale) for g in grads]
 
     # ----------------------------------------------------------------- apply
-    def apply(self, grads, trainable_variables=None, scaled=True):
+    def apply_gradients(self, grads_and_vars, scaled=None):
+        """Applies `(gradient, variable)` pairs, unscaled or not as the step's loss was.
+
+        Keras's trainer (`fit`) calls `scale_loss` and then this. A custom
+        `train_step` that calls it on the gradients of a loss that never went
+        through this optimizer's `scale_loss` in the same step (keras.io's
+        GAN / VAE pattern) gets them applied as they are, not divided by the
+        scale (non-finite steps are still skipped), and a warning, once, that
+        names `self.optimizer.scale_loss(loss)`.
+
+        Args:
+            grads_and_vars: pairs `(gradient or None, variable)`.
+            scaled: None (the default) decides as above; True or False as for `apply`.
+
+        Returns:
+            The optimizer's `iterations`.
+        """
+        grads, variables = zip(*grads_and_vars)
+        took_scaled_loss = scaled_check.consume_mark(self)
+        if scaled is None:
+            scaled = took_scaled_loss
+            if not scaled and self._scale_matters(variables):
+                scaled_check.warn_unscaled_once(self, "apply_gradients")
+        return self._apply_checked(grads, variables, scaled)
+
+    def apply(self, grads, trainable_variables=None, scaled=None):
         """Applies scaled `grads` once, or skips the step if any is non-finite.
 
         With `accumulation_steps=k`, each call is one micro-batch: its
@@ -312,8 +340,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         Args:
             grads: one gradient (or None) per variable.
             trainable_variables: the variables; those it was built with by default.
-            scaled: True (the default) when `grads` are the gradients of the
-                scaled loss: they are divided by the scale here. False when
+            scaled: True when `grads` are the gradients of the scaled loss:
+                they are divided by the scale here. None (the default) is
+                True, with a warning (once) when this optimizer's
+                `scale_loss` did not run in the same step. False when
                 they are already unscaled, e.g. by `get_unscaled_gradients`
                 and then clipped (torch's `unscale_`, `clip_grad_norm_`,
                 `step`): they are used as given (half ones in float32), with
@@ -327,8 +357,22 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             >>> grads, _ = tf.clip_by_global_norm(grads, 1.0)  # clip the true gradients
             >>> opt.apply(grads, variables, scaled=False)
         """
+        took_scaled_loss = scaled_check.consume_mark(self)
+        if scaled is None:
+            scaled = True
+            if not took_scaled_loss and self._scale_matters(trainable_variables):
+                scaled_check.warn_unscaled_once(self, "apply")
+        return self._apply_checked(grads, trainable_variables, scaled)
+
+    def _scale_matters(self, variables):
+        """False for a fixed scale of 1 (scaled or not is the same); builds the optimizer first."""
+        if not self.built and variables is not None:
+            self.build(variables)
+        return self.dynamic or self.initial_scale != 1.0
+
+    def _apply_checked(self, grads, trainable_variables, scaled):
         if not isinstance(scaled, bool):
-            raise TypeError(f"`scaled` must be True or False. Received: scaled={scaled!r}")
+            raise TypeError(f"`scaled` must be True, False or None. Received: scaled={scaled!r}")
         grads = list(grads)
         if not self.built:
             # No outer name scope (Keras's class opens one here): each optimizer scopes
