@@ -160,7 +160,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.min_scale = min_scale
         self.max_scale = max_scale
         self.dynamic = dynamic
-        self.master_weights = master_weights
+        self._master_weights_request = master_weights  # as resolved here: what get_config saves
         self.accumulation_steps = accumulation_steps
 
     # ------------------------------------------------------------------ state
@@ -174,10 +174,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._model_variables = var_list
         self._masters = {}
         self._kahan = {}
-        if self.master_weights == "kahan":
+        if self._master_weights_request == "kahan":
             mw.check_kahan_inner(self.inner_optimizer, var_list)
             self._kahan = mw.create_compensation(self, var_list)
-        elif self.master_weights and any(_dtype(v) in _HALF for v in var_list):
+        elif self._master_weights_request and any(_dtype(v) in _HALF for v in var_list):
             if self.inner_optimizer.built:
                 raise ValueError(
                     "Master weights need an inner optimizer that is not built yet, so that it "
@@ -222,6 +222,21 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if not self.built:
             return tf.constant(self.initial_scale, tf.float32)
         return tf.convert_to_tensor(self.dynamic_scale)
+
+    @property
+    def master_weights(self):
+        """What keeps the updates' low bits: True (float32 copies), `"kahan"` or False.
+
+        Once built, the truth: True only where float32 copies exist (some
+        trainable variable is half: O2), `"kahan"` only where compensation
+        buffers do, False otherwise (under O1 every variable is float32, so
+        there is nothing to copy). Before the build, the request it will act
+        on (the constructor's `master_weights`, `"auto"` resolved), which is
+        also what `get_config` saves, so a reloaded optimizer decides afresh.
+        """
+        if not self.built:
+            return self._master_weights_request
+        return mw.in_force(self._masters, self._kahan)
 
     @property
     def good_steps(self):
@@ -545,7 +560,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             min_scale=self.min_scale,
             max_scale=self.max_scale,
             dynamic=self.dynamic,
-            master_weights=self.master_weights,
+            master_weights=self._master_weights_request,
             accumulation_steps=self.accumulation_steps,
         )
         return config
