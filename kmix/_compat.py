@@ -323,3 +323,30 @@ def onednn_enabled():
     from tensorflow.python.util import _pywrap_util_port
 
     return bool(_pywrap_util_port.IsMklEnabled())
+
+
+def model_building(optimizer, depth=8):
+    """The `keras.Model` whose trainer is building `optimizer` right now, or None.
+
+    `model.fit` builds the optimizer from `model.trainable_variables` alone (in
+    Keras's private `Trainer._symbolic_build`, or in the first traced
+    `train_step`) and hands it nothing else, while a loss-scale optimizer that
+    undoes a skipped step needs the model's non-trainable variables too. No
+    public name links an optimizer to the model compiled with it, so this
+    looks up the calling frames for a method of a `keras.Model` whose
+    `optimizer` is `optimizer`. Custom loops pass the model explicitly
+    (`LossScaleOptimizer.track(model)`).
+    """
+    import sys
+
+    import keras
+
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.Model) and getattr(owner, "optimizer", None) is optimizer:
+            return owner
+    return None

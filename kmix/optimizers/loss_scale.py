@@ -5,11 +5,12 @@ import tensorflow as tf
 
 from kmix import _checks as checks
 from kmix._compat import (
+    model_building,
     no_automatic_dependency_tracking,
     optimizer_variable_key,
     strategy_supports_no_merge_call,
 )
-from kmix.optimizers import accumulation
+from kmix.optimizers import accumulation, follow_model, nontrainable
 from kmix.optimizers import master_weights as mw
 from kmix.optimizers import scaled_check
 
@@ -72,6 +73,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             unscaled float32 gradients are summed and their mean applied once;
             one overflow discards the whole step (see `flush` for the
             remainder at the end of training).
+        restore_on_skip: True (the default): a skipped step also leaves the
+            model's non-trainable variables (batch-norm statistics, seed
+            states, anything a layer assigns in its forward pass) as the last
+            applied step left them; see `track`. False: they keep what the
+            skipped step's forward pass wrote (Keras's and torch's behaviour).
         name: the optimizer's name.
 
     Example:
@@ -97,6 +103,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         master_weights="auto",
         accumulation_steps=1,
         dynamic_growth_steps=None,
+        restore_on_skip=True,
         **kwargs,
     ):
         if dynamic_growth_steps is not None:
@@ -162,6 +169,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self.dynamic = dynamic
         self._master_weights_request = master_weights  # as resolved here: what get_config saves
         self.accumulation_steps = accumulation_steps
+        if not isinstance(restore_on_skip, bool):
+            raise TypeError(
+                f"`restore_on_skip` must be True or False. Received: restore_on_skip={restore_on_skip!r}"
+            )
+        self.restore_on_skip = restore_on_skip
+        self._state_guard = None
+        self._tracked_model = None
 
     # ------------------------------------------------------------------ state
     @no_automatic_dependency_tracking
@@ -170,6 +184,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if self.built:
             return
         var_list = list(var_list)
+        model = self._tracked_model or model_building(self)
+        follow_model.follow(self, var_list, model)
+        if model is not None and self._state_guard is None:
+            self.track(model)
         self._variable_paths = [_variable_path(v) for v in var_list]
         self._model_variables = var_list
         self._masters = {}
@@ -413,6 +431,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         ]
         if self.accumulation_steps == 1:
             self._apply_if(finite, unscaled, variables)
+            self._settle_state(finite, tf.logical_not(finite))
             self._update_state(finite, nonfinite, scale)
         else:
             accumulation.add_micro_batch(self, finite, nonfinite, unscaled, variables, scale)
@@ -433,6 +452,43 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             tf.distribute.get_strategy().run(self.flush)
             return
         accumulation.flush(self)
+
+    def track(self, model):
+        """Guards `model`'s non-trainable variables: a skipped step restores them.
+
+        `model.fit` does this by itself when it builds the optimizer. A custom
+        loop, or a `train_step` whose optimizers are not `model.optimizer`
+        (a GAN's two), calls it once, before the first step, with the model
+        (or the sub-model) whose forward pass runs in the steps this
+        optimizer decides. Calling it again takes the variables' current
+        values as the committed state (after `set_weights`, say). A no-op
+        with `restore_on_skip=False`.
+
+        Args:
+            model: a `keras.Model` or layer (its `non_trainable_variables`),
+                or a list of variables.
+
+        Returns:
+            The optimizer.
+
+        Example:
+            >>> opt = kmix.wrap(keras.optimizers.Adam(1e-3)).track(model)
+        """
+        variables = nontrainable.state_of(model)
+        if not self.restore_on_skip:
+            return self
+        if isinstance(model, keras.Model):
+            self._tracked_model = model
+        known = self._state_guard.variables if self._state_guard is not None else []
+        if self._state_guard is not None and {id(v) for v in variables} <= {id(v) for v in known}:
+            self._state_guard.sync()
+            return self
+        self._state_guard = nontrainable.StateGuard(known + variables, nontrainable.strategy_of(model))
+        return self
+
+    def _settle_state(self, applied, skipped):
+        if self._state_guard:
+            self._state_guard.settle(applied, skipped)
 
     def _apply_if(self, finite, unscaled, variables):
         """Runs the inner optimizer on already unscaled gradients where `finite` holds."""
@@ -562,6 +618,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             dynamic=self.dynamic,
             master_weights=self._master_weights_request,
             accumulation_steps=self.accumulation_steps,
+            restore_on_skip=self.restore_on_skip,
         )
         return config
 
