@@ -1,5 +1,7 @@
 """`kmix.LossScaleOptimizer`: dynamic loss scaling with bounds, hysteresis and counters."""
 
+import weakref
+
 import keras
 import tensorflow as tf
 
@@ -10,7 +12,8 @@ from kmix._compat import (
     optimizer_variable_key,
     strategy_supports_no_merge_call,
 )
-from kmix.optimizers import accumulation, follow_model, nontrainable
+from kmix.optimizers import accumulation, follow_model, nontrainable, scale_rule
+from kmix.optimizers.counters import Counters
 from kmix.optimizers import master_weights as mw
 from kmix.optimizers import scaled_check
 
@@ -18,7 +21,7 @@ _HALF = ("float16", "bfloat16")
 
 
 @keras.saving.register_keras_serializable(package="kmix")
-class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(Counters, keras.optimizers.LossScaleOptimizer):
     """A `keras.optimizers.LossScaleOptimizer` with bounds, hysteresis and counters.
 
     The loss is multiplied by `loss_scale` before the backward pass so that
@@ -184,7 +187,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if self.built:
             return
         var_list = list(var_list)
-        model = self._tracked_model or model_building(self)
+        model = (self._tracked_model() if self._tracked_model else None) or model_building(self)
         follow_model.follow(self, var_list, model)
         if model is not None and self._state_guard is None:
             self.track(model)
@@ -255,61 +258,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if not self.built:
             return self._master_weights_request
         return mw.in_force(self._masters, self._kahan)
-
-    @property
-    def good_steps(self):
-        """Finite steps since the scale last changed (Keras's `step_counter`)."""
-        return self._built_attr("step_counter")
-
-    @property
-    def skipped_steps(self):
-        """How many steps were skipped for non-finite gradients (an int64 variable)."""
-        return self._built_attr("_skipped_steps")
-
-    @property
-    def hysteresis_left(self):
-        """Overflows left before the next back-off (an int64 variable)."""
-        return self._built_attr("_hysteresis_left")
-
-    @property
-    def overflow_counts(self):
-        """Per trainable variable, how often its gradient was non-finite (int64 vector)."""
-        return self._built_attr("_overflow_counts")
-
-    @property
-    def min_scale_overflows(self):
-        """Overflows that happened while the scale was already at `min_scale`."""
-        return self._built_attr("_min_scale_overflows")
-
-    @property
-    def current_growth_interval(self):
-        """The growth interval in force (a variable: `LossScaleWarmup` changes it)."""
-        return self._built_attr("_growth_interval_var")
-
-    def _built_attr(self, name):
-        if not self.built:
-            raise ValueError(
-                f"{type(self).__name__} {self.name!r} is not built yet: its counters exist once "
-                "it has applied a step or `optimizer.build(model.trainable_variables)` was called."
-            )
-        return getattr(self, name)
-
-    def overflow_report(self, top=None):
-        """The variables whose gradients were non-finite, most frequent first.
-
-        Args:
-            top: keep only the first `top` rows; all by default.
-
-        Returns:
-            A list of `(variable_path, count)` with `count > 0`, sorted by count
-            (descending), then path.
-        """
-        counts = [int(c) for c in tf.convert_to_tensor(self.overflow_counts).numpy()]
-        rows = sorted(
-            ((p, c) for p, c in zip(self._variable_paths, counts) if c > 0),
-            key=lambda row: (-row[1], row[0]),
-        )
-        return rows if top is None else rows[:top]
 
     # ------------------------------------------------------------------ loss
     def scale_loss(self, loss):
@@ -478,7 +426,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if not self.restore_on_skip:
             return self
         if isinstance(model, keras.Model):
-            self._tracked_model = model
+            # A weak reference: saving walks the optimizer's attributes, and the model holds the optimizer.
+            self._tracked_model = weakref.ref(model)
         known = self._state_guard.variables if self._state_guard is not None else []
         if self._state_guard is not None and {id(v) for v in variables} <= {id(v) for v in known}:
             self._state_guard.sync()
@@ -519,43 +468,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         mw.copy_to_model(self._masters, self._model_variables, indices)
 
     def _update_state(self, finite, nonfinite, scale, active=None):
-        """One step of the class docstring's pseudo-code; nothing changes where `active` is False."""
-        one = tf.constant(1, tf.int64)
-        zero = tf.constant(0, tf.int64)
-        good = tf.where(finite, tf.convert_to_tensor(self.step_counter) + 1, 0)
-        # `>=` rather than `==`: the same trajectory, and safe when LossScaleWarmup
-        # lowers the interval below a count that has already passed it.
-        grow = tf.logical_and(finite, tf.cast(good, tf.int64) >= self._growth_interval_var)
-        grow = tf.logical_and(grow, self.dynamic)
-        hysteresis_left = tf.where(
-            finite,
-            tf.where(grow, tf.constant(self.hysteresis, tf.int64), self._hysteresis_left),
-            tf.maximum(self._hysteresis_left - 1, zero),
-        )
-        new_scale = scale
-        if self.dynamic:
-            backoff = tf.logical_and(tf.logical_not(finite), hysteresis_left <= 0)
-            new_scale = tf.where(grow, tf.minimum(scale * self.growth_factor, self.max_scale), scale)
-            new_scale = tf.where(
-                backoff, tf.maximum(scale * self.backoff_factor, self.min_scale), new_scale
-            )
-        skipped = tf.where(finite, zero, one)
-        overflowed = tf.cast(nonfinite > 0, tf.int64)
-        at_floor = tf.where(scale <= self.min_scale, skipped, zero)
-        good = tf.where(grow, tf.zeros_like(good), good)
-        if active is not None:
-            keep = tf.logical_not(active)
-            good = tf.where(keep, self.step_counter, good)
-            hysteresis_left = tf.where(keep, self._hysteresis_left, hysteresis_left)
-            new_scale = tf.where(keep, scale, new_scale)
-            skipped, at_floor = (tf.where(keep, zero, t) for t in (skipped, at_floor))
-            overflowed = tf.where(keep, tf.zeros_like(overflowed), overflowed)
-        self.step_counter.assign(good)
-        self._hysteresis_left.assign(hysteresis_left)
-        self.dynamic_scale.assign(new_scale)
-        self._skipped_steps.assign_add(skipped)
-        self._overflow_counts.assign_add(overflowed)
-        self._min_scale_overflows.assign_add(at_floor)
+        """One step of the class docstring's pseudo-code (`scale_rule.update`)."""
+        scale_rule.update(self, finite, nonfinite, scale, active)
 
     def _resolve_variables(self, grads, trainable_variables):
         if trainable_variables is None:

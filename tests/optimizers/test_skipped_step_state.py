@@ -51,7 +51,10 @@ def run(route, with_bad, restore_on_skip=True):
     strategy = tf.distribute.get_strategy()
     if route == "mirrored":
         cpus = tf.config.list_logical_devices("CPU")
-        strategy = tf.distribute.MirroredStrategy([d.name for d in cpus[:2]])
+        # No collectives: their keys restart with each strategy, and another test's strategy
+        # in this process may have used them for other shapes.
+        strategy = tf.distribute.MirroredStrategy([d.name for d in cpus[:2]],
+                                                   cross_device_ops=tf.distribute.ReductionToOneDevice())
     with strategy.scope():
         model = build()
         opt = make_optimizer(restore_on_skip)

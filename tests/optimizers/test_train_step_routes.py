@@ -193,7 +193,10 @@ def test_fit_scales_through_keras_trainer_with_a_strategy_and_xla():
         return model.get_weights()
 
     cpus = tf.config.list_logical_devices("CPU")
-    mirrored = tf.distribute.MirroredStrategy([d.name for d in cpus[:2]])
+    # No collectives: their keys restart with each strategy, and another test's strategy
+    # in this process may have used them for other shapes.
+    mirrored = tf.distribute.MirroredStrategy([d.name for d in cpus[:2]],
+                                               cross_device_ops=tf.distribute.ReductionToOneDevice())
     reference = fit(sgd, tf.distribute.get_strategy(), False)
     for strategy, jit in ((tf.distribute.get_strategy(), True), (mirrored, False)):
         with warnings.catch_warnings():
