@@ -10,6 +10,11 @@
 
 __version__ = "0.1.0"
 
+from kmix import _startup  # noqa: E402  (before anything imports TensorFlow)
+
+if _startup.launched_as_command():
+    _startup.quiet_tensorflow_start()
+
 from kmix import callbacks, distribute, layers, ops, schedules  # noqa: E402
 from kmix.diagnose import Diagnosis, diagnose  # noqa: E402
 from kmix.optimizers import LossScaleOptimizer, wrap  # noqa: E402

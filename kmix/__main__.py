@@ -19,7 +19,7 @@ BENCHES = {
 def main(argv=None):
     """Parses `argv` and runs the chosen command; returns its exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # `main` called from Python; see kmix/_startup.py
     parser = argparse.ArgumentParser(
         prog="python -m kmix",
         description="kmix: safe and fast mixed-precision training for Keras 3.",

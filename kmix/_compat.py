@@ -352,3 +352,30 @@ def take_gradients_as_reduced(optimizer):
     Keras's TF optimizer filters None gradients before calling it.
     """
     optimizer._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
+
+
+def model_building(optimizer, depth=8):
+    """The `keras.Model` whose trainer is building `optimizer` right now, or None.
+
+    `model.fit` builds the optimizer from `model.trainable_variables` alone (in
+    Keras's private `Trainer._symbolic_build`, or in the first traced
+    `train_step`) and hands it nothing else, while a loss-scale optimizer that
+    undoes a skipped step needs the model's non-trainable variables too. No
+    public name links an optimizer to the model compiled with it, so this
+    looks up the calling frames for a method of a `keras.Model` whose
+    `optimizer` is `optimizer`. Custom loops pass the model explicitly
+    (`LossScaleOptimizer.track(model)`).
+    """
+    import sys
+
+    import keras
+
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.Model) and getattr(owner, "optimizer", None) is optimizer:
+            return owner
+    return None

@@ -37,3 +37,53 @@ def test_overhead_bench_times_the_same_training(capsys):
         # Both optimizers took the same steps: kmix with Keras's defaults is Keras, bit for bit.
         assert same == "yes", label
     assert apply_row[0] == "apply only" and apply_row[3] == pytest.approx(apply_row[2] / apply_row[1])
+
+
+def run_command(argv, **env):
+    """`python -m kmix ARGV` in a fresh process, TF_CPP_MIN_LOG_LEVEL unset unless given."""
+    import os
+    import subprocess
+    import sys
+
+    environ = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    environ.update(env)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-m", "kmix", *argv], cwd=root, env=environ,
+                          capture_output=True, text=True, timeout=120)
+
+
+TF_NOTES = ("oneDNN custom operations", "cuda drivers", "cuInit", "absl::InitializeLog", "cpu_feature_guard")
+
+
+def test_command_starts_tensorflow_quietly():
+    """Without the user's TF_CPP_MIN_LOG_LEVEL, a command's terminal holds kmix's output only."""
+    done = run_command(["bench"])
+    assert done.returncode == 2  # `bench` without a name prints its usage
+    assert "memory" in done.stdout and "overhead" in done.stdout
+    assert not [note for note in TF_NOTES if note in done.stderr], done.stderr
+    assert done.stderr == ""
+
+
+def test_command_keeps_the_users_log_level():
+    """A user who set TF_CPP_MIN_LOG_LEVEL=0 sees TensorFlow's notes, as they asked."""
+    done = run_command(["bench"], TF_CPP_MIN_LOG_LEVEL="0")
+    assert "oneDNN custom operations" in done.stderr or "cuda" in done.stderr
+
+
+def test_drop_startup_notes_keeps_errors_and_other_text():
+    from kmix._startup import drop_startup_notes, launched_as_command
+
+    text = (
+        "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
+        "I0000 00:00:1795458843.879245    5228 cpu_feature_guard.cc:227] This TensorFlow binary\n"
+        "To enable the following instructions: AVX2, rebuild TensorFlow\n"
+        "E0000 00:00:1795458846.663906    5228 cuda_platform.cc:52] failed call to cuInit: UNKNOWN\n"
+        "E0000 00:00:1795458846.663906    5228 op_kernel.cc:12] a real error\n"
+        "  its second line\n"
+    )
+    assert drop_startup_notes("plain\n" + text) == (
+        "plain\nE0000 00:00:1795458846.663906    5228 op_kernel.cc:12] a real error\n  its second line\n"
+    )
+    assert launched_as_command(["/usr/bin/python", "-m", "kmix", "demo"])
+    assert launched_as_command(["/usr/bin/python", "/venv/bin/kmix", "doctor"])
+    assert not launched_as_command(["/usr/bin/python", "-m", "pytest", "tests/test_main.py"])

@@ -17,8 +17,13 @@ import numpy as np
 from kmix.benchmarks.common import format_table, median, progress, time_call
 
 
-def build_and_compile(kind, layers, width, jit_compile, seed=0):
-    """A `layers`-deep stack of `Dense(width)` under mixed_float16, compiled with `kind`'s optimizer."""
+def build_and_compile(kind, layers, width, jit_compile, seed=0, batchnorm=False, restore=True):
+    """A `layers`-deep stack of `Dense(width)` under mixed_float16, compiled with `kind`'s optimizer.
+
+    `batchnorm` puts a `BatchNormalization` after each Dense (2 non-trainable
+    variables each, which kmix guards against skipped steps unless `restore`
+    is False).
+    """
     import keras
 
     import kmix
@@ -26,16 +31,19 @@ def build_and_compile(kind, layers, width, jit_compile, seed=0):
     keras.utils.set_random_seed(seed)
     model = keras.Sequential(
         [keras.Input((width,))]
-        + [keras.layers.Dense(width, activation="relu") for _ in range(layers)]
+        + [layer for _ in range(layers) for layer in (
+            [keras.layers.Dense(width, activation="relu")]
+            + ([keras.layers.BatchNormalization()] if batchnorm else []))]
         + [keras.layers.Dense(1, dtype="float32")]
     )
     inner = keras.optimizers.Adam(1e-4)
-    opt = keras.optimizers.LossScaleOptimizer(inner) if kind == "keras" else kmix.wrap(inner)
+    opt = keras.optimizers.LossScaleOptimizer(inner) if kind == "keras" else kmix.wrap(inner, restore_on_skip=restore)
     model.compile(optimizer=opt, loss="mse", jit_compile=jit_compile)
     return model
 
 
-def measure(layers=64, width=16, batch=32, steps=200, rounds=5, jit_compile=False):
+def measure(layers=64, width=16, batch=32, steps=200, rounds=5, jit_compile=False, batchnorm=False,
+            restore=True):
     """Times both optimizers on the same training.
 
     Returns:
@@ -50,7 +58,8 @@ def measure(layers=64, width=16, batch=32, steps=200, rounds=5, jit_compile=Fals
     x = rng.normal(size=(batch * steps, width)).astype("float32")
     y = rng.normal(size=(batch * steps, 1)).astype("float32")
     with kmix.policy_scope("mixed_float16"):
-        models = {kind: build_and_compile(kind, layers, width, jit_compile) for kind in ("keras", "kmix")}
+        models = {kind: build_and_compile(kind, layers, width, jit_compile, batchnorm=batchnorm, restore=restore)
+                  for kind in ("keras", "kmix")}
     per_step = {kind: [] for kind in models}
     for r in range(rounds):
         for kind, model in models.items():
@@ -94,7 +103,9 @@ def measure_apply(layers=64, width=16, steps=200, rounds=5):
             inner, dynamic=True, initial_scale=2.0**15
         )
         opt.build(variables)
-        applies[kind] = tf.function(lambda opt=opt: opt.apply(grads, variables))
+        # The gradients stand for those of a scaled loss; kmix is told so (no scale_loss here).
+        extra = {"scaled": True} if kind == "kmix" else {}
+        applies[kind] = tf.function(lambda opt=opt, extra=extra: opt.apply(grads, variables, **extra))
     per_apply = {kind: [] for kind in applies}
     for r in range(rounds):
         for kind, fn in applies.items():
@@ -121,12 +132,17 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=200, help="steps per timed round; default 200")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; default 5")
     parser.add_argument("--no-jit", action="store_true", help="only tf.function, skip the XLA-compiled run")
+    parser.add_argument("--batchnorm", action="store_true",
+                        help="a BatchNormalization after each Dense: the cost of restoring skipped steps' state")
+    parser.add_argument("--no-restore", action="store_true",
+                        help="kmix with restore_on_skip=False (Keras's behaviour for non-trainable state)")
     args = parser.parse_args(argv)
     rows = []
     for jit in ([False] if args.no_jit else [False, True]):
         label = "XLA" if jit else "tf.function"
         progress(f"{label}: {args.layers} layers x {args.width} units, {2 * args.layers + 2} variables")
-        per_step, same = measure(args.layers, args.width, args.batch, args.steps, args.rounds, jit)
+        per_step, same = measure(args.layers, args.width, args.batch, args.steps, args.rounds, jit,
+                                 args.batchnorm, not args.no_restore)
         ratios = [b / a for a, b in zip(per_step["keras"], per_step["kmix"])]
         best_keras, best_kmix = min(per_step["keras"]), min(per_step["kmix"])
         rows.append([label, best_keras * 1e3, best_kmix * 1e3, best_kmix / best_keras, median(ratios),

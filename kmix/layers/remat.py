@@ -14,17 +14,24 @@ masks differ from the forward ones and the gradients are wrong.
 - the block is called through a function of its *floating* input tensors
   only; keyword arguments, booleans, `None`, masks and integer ids are bound
   in a closure (they need no gradient);
+- the wrapper's `call` takes the wrapped layer's signature, so Keras binds
+  its arguments one by one, as for the bare layer: a tensor keyword next to a
+  Python one (`decoder_padding_mask=m, use_causal_mask=True`) is no "nested
+  argument mixing tensors and non-tensors", and `training` reaches the block
+  exactly when its own `call` takes it;
 - the block's non-trainable state (seed generator states, batch-norm
   statistics) is read before the forward pass; the recomputation starts from
   those values and puts the current ones back afterwards, so dropout draws
   the same masks twice and no state is updated twice.
 """
 
+import functools
+import inspect
+
 import keras
 import tensorflow as tf
 
 from kmix import _checks as checks
-from kmix.layers.with_policy import _call_parameters
 
 
 @keras.saving.register_keras_serializable(package="kmix")
@@ -56,6 +63,24 @@ class Remat(keras.layers.Layer):
     >>> x = kmix.layers.Remat(block)(x, padding_mask=mask)
     """
 
+    def __new__(cls, *args, **kwargs):
+        obj = super().__new__(cls, *args, **kwargs)
+        # Keras binds call arguments against `inspect.signature(self.call)`, read in
+        # `Layer.__init__`: give this instance's `call` the wrapped layer's signature
+        # (Keras's own `__new__` installs per-instance methods the same way).
+        layer = args[0] if args else kwargs.get("layer")
+        signature = _call_signature(layer)
+        if signature is not None:
+            remat_call = obj.call
+
+            @functools.wraps(remat_call)
+            def call(*call_args, **call_kwargs):
+                return remat_call(*call_args, **call_kwargs)
+
+            call.__signature__ = signature
+            obj.call = call
+        return obj
+
     def __init__(self, layer, **kwargs):
         dtype = kwargs.pop("dtype", None)
         layer = checks.wrapped_layer(layer)
@@ -69,18 +94,16 @@ class Remat(keras.layers.Layer):
         super().__init__(dtype=layer.dtype_policy, autocast=False, **kwargs)
         self.layer = layer
         self.supports_masking = layer.supports_masking
-        self._call_parameters = _call_parameters(layer)
 
     def build(self, input_shape=None):
         """Nothing to create: the wrapped layer builds itself on its first call."""
 
-    def call(self, inputs, *args, training=None, mask=None, **kwargs):
-        """Calls the wrapped layer; its activations are recomputed in the backward pass."""
-        if self._call_parameters is None or "training" in self._call_parameters:
-            kwargs["training"] = training
-        if mask is not None and (self._call_parameters is None or "mask" in self._call_parameters):
-            kwargs["mask"] = mask
-        args = (inputs,) + args
+    def call(self, *args, **kwargs):
+        """Calls the wrapped layer with the same arguments; its activations are recomputed.
+
+        Keras binds them against the wrapped layer's own `call` signature
+        (`training` and `mask` included where it takes them).
+        """
         if not self.layer.built:
             return self.layer(*args, **kwargs)  # building creates variables: not in a custom gradient
         return rematerialize(self.layer, args, kwargs)
@@ -111,6 +134,16 @@ class Remat(keras.layers.Layer):
             layer_config = {**layer_config, "config": {**layer_config["config"], "dtype": dtype}}
         layer = keras.saving.deserialize_keras_object(layer_config)
         return cls(layer, **config)
+
+
+def _call_signature(layer):
+    """The signature of `layer.call` (bound: no `self`), or None where it cannot be read."""
+    if not isinstance(layer, keras.layers.Layer):
+        return None  # `__init__` reports the bad argument
+    try:
+        return inspect.signature(layer.call)
+    except (TypeError, ValueError):
+        return None
 
 
 def rematerialize(layer, args, kwargs):

@@ -77,6 +77,7 @@ def _finish(opt, end, window, count, scale):
         means = [acc / divisor if on else None for acc, on in zip(opt._accumulators, opt._accumulated)]
         opt._apply_if(tf.logical_and(end, clean), means, opt._model_variables)
         opt._update_state(clean, window, scale, active=end)
+        opt._settle_state(tf.logical_and(end, clean), tf.logical_and(end, tf.logical_not(clean)))
     for acc in opt._accumulators:
         acc.assign(tf.where(end, tf.zeros_like(acc), acc))
     opt._micro_step.assign(tf.where(end, tf.zeros_like(count), count))
@@ -95,4 +96,5 @@ def _reduce_and_apply(opt, window, divisor, scale):
     nonfinite = opt._nonfinite_per_variable(sums, opt._model_variables)
     finite = tf.equal(tf.reduce_sum(nonfinite), 0.0)
     opt._apply_if(finite, [None if s is None else s / scale for s in sums], opt._model_variables)
+    opt._settle_state(finite, tf.logical_not(finite))
     opt._update_state(finite, nonfinite, scale)

@@ -4,19 +4,23 @@ import keras
 import tensorflow as tf
 
 from kmix._compat import (
+    model_building,
     no_automatic_dependency_tracking,
     optimizer_variable_key,
     take_gradients_as_reduced,
 )
-from kmix.optimizers import accumulation, allreduce, arguments, counters, replicas
+from kmix.optimizers import accumulation, allreduce, arguments, counters, follow_model, replicas
 from kmix.optimizers import master_weights as mw
-from kmix.optimizers import scale_rule
+from kmix.optimizers import scale_rule, scaled_check, step_routes
+from kmix.optimizers.step_routes import unscale
 
 _HALF = ("float16", "bfloat16")
 
 
 @keras.saving.register_keras_serializable(package="kmix")
-class LossScaleOptimizer(counters.LossScaleCounters, keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(
+    counters.LossScaleCounters, step_routes.StepRoutes, keras.optimizers.LossScaleOptimizer
+):
     """A `keras.optimizers.LossScaleOptimizer` with bounds, hysteresis and counters.
 
     The loss is multiplied by `loss_scale` before the backward pass so that
@@ -81,6 +85,11 @@ class LossScaleOptimizer(counters.LossScaleCounters, keras.optimizers.LossScaleO
             scale (`kmix.wrap` gives one), bfloat16 a fixed one. No strategy
             or one replica: nothing to reduce, no effect. See
             `kmix.optimizers.allreduce`.
+        restore_on_skip: True (the default): a skipped step also leaves the
+            model's non-trainable variables (batch-norm statistics, seed
+            states, anything a layer assigns in its forward pass) as the last
+            applied step left them; see `track`. False: they keep what the
+            skipped step's forward pass wrote (Keras's and torch's behaviour).
         name: the optimizer's name.
 
     Example:
@@ -107,6 +116,7 @@ class LossScaleOptimizer(counters.LossScaleCounters, keras.optimizers.LossScaleO
         accumulation_steps=1,
         dynamic_growth_steps=None,
         allreduce_dtype=None,
+        restore_on_skip=True,
         **kwargs,
     ):
         (initial_scale, growth_interval, growth_factor, backoff_factor, hysteresis, min_scale, max_scale,
@@ -129,9 +139,16 @@ class LossScaleOptimizer(counters.LossScaleCounters, keras.optimizers.LossScaleO
         self.min_scale = min_scale
         self.max_scale = max_scale
         self.dynamic = dynamic
-        self.master_weights = master_weights
+        self._master_weights_request = master_weights  # as resolved here: what get_config saves
         self.accumulation_steps = accumulation_steps
         self.allreduce_dtype = allreduce_dtype
+        if not isinstance(restore_on_skip, bool):
+            raise TypeError(
+                f"`restore_on_skip` must be True or False. Received: restore_on_skip={restore_on_skip!r}"
+            )
+        self.restore_on_skip = restore_on_skip
+        self._state_guard = None
+        self._tracked_model = None
 
     # ------------------------------------------------------------------ state
     @no_automatic_dependency_tracking
@@ -140,14 +157,18 @@ class LossScaleOptimizer(counters.LossScaleCounters, keras.optimizers.LossScaleO
         if self.built:
             return
         var_list = list(var_list)
+        model = (self._tracked_model() if self._tracked_model else None) or model_building(self)
+        follow_model.follow(self, var_list, model)
+        if model is not None and self._state_guard is None:
+            self.track(model)
         self._variable_paths = [_variable_path(v) for v in var_list]
         self._model_variables = var_list
         self._masters = {}
         self._kahan = {}
-        if self.master_weights == "kahan":
+        if self._master_weights_request == "kahan":
             mw.check_kahan_inner(self.inner_optimizer, var_list)
             self._kahan = mw.create_compensation(self, var_list)
-        elif self.master_weights and any(_dtype(v) in _HALF for v in var_list):
+        elif self._master_weights_request and any(_dtype(v) in _HALF for v in var_list):
             if self.inner_optimizer.built:
                 raise ValueError(
                     "Master weights need an inner optimizer that is not built yet, so that it "
@@ -180,32 +201,8 @@ class LossScaleOptimizer(counters.LossScaleCounters, keras.optimizers.LossScaleO
             return tf.constant(self.initial_scale, tf.float32)
         return tf.convert_to_tensor(self.dynamic_scale)
 
-    # ------------------------------------------------------------------ loss
-    def scale_loss(self, loss):
-        """Multiplies `loss` by the current scale (what Keras's trainer calls).
-
-        Before the optimizer is built this uses `initial_scale`; a `tf.function`
-        that builds the optimizer on its first call is traced again by
-        TensorFlow once the variables exist, so the graph reads the variable.
-        """
-        return super().scale_loss(loss)
-
-    def get_scaled_loss(self, loss):
-        """tf.keras's name for `scale_loss`: `loss * loss_scale`, for custom loops."""
-        return self.scale_loss(loss)
-
-    def get_unscaled_gradients(self, grads):
-        """tf.keras's name: divides each gradient by the current scale, in float32.
-
-        `apply` unscales by itself: pass it these (after clipping, say) with
-        `scaled=False`, or pass it the scaled gradients as they are. Passing
-        these without `scaled=False` would divide by the scale twice.
-        """
-        scale = self.loss_scale
-        return [None if g is None else _unscale(g, scale) for g in grads]
-
     # ----------------------------------------------------------------- apply
-    def apply(self, grads, trainable_variables=None, scaled=True):
+    def apply(self, grads, trainable_variables=None, scaled=None):
         """Applies scaled `grads` once, or skips the step if any is non-finite.
 
         With `accumulation_steps=k`, each call is one micro-batch: its
@@ -215,8 +212,10 @@ class LossScaleOptimizer(counters.LossScaleCounters, keras.optimizers.LossScaleO
         Args:
             grads: one gradient (or None) per variable.
             trainable_variables: the variables; those it was built with by default.
-            scaled: True (the default) when `grads` are the gradients of the
-                scaled loss: they are divided by the scale here. False when
+            scaled: True when `grads` are the gradients of the scaled loss:
+                they are divided by the scale here. None (the default) is
+                True, with a warning (once) when this optimizer's
+                `scale_loss` did not run in the same step. False when
                 they are already unscaled, e.g. by `get_unscaled_gradients`
                 and then clipped (torch's `unscale_`, `clip_grad_norm_`,
                 `step`): they are used as given (half ones in float32), with
@@ -230,8 +229,17 @@ class LossScaleOptimizer(counters.LossScaleCounters, keras.optimizers.LossScaleO
             >>> grads, _ = tf.clip_by_global_norm(grads, 1.0)  # clip the true gradients
             >>> opt.apply(grads, variables, scaled=False)
         """
+        took_scaled_loss = scaled_check.consume_mark(self)
+        if scaled is None:
+            scaled = True
+            if not took_scaled_loss and self._scale_matters(trainable_variables):
+                scaled_check.warn_unscaled_once(self, "apply")
+        return self._apply_checked(grads, trainable_variables, scaled)
+
+    def _apply_checked(self, grads, trainable_variables, scaled):
+        """Reduce, check, unscale and apply (or skip), update the scale: the body of `apply`."""
         if not isinstance(scaled, bool):
-            raise TypeError(f"`scaled` must be True or False. Received: scaled={scaled!r}")
+            raise TypeError(f"`scaled` must be True, False or None. Received: scaled={scaled!r}")
         grads = list(grads)
         if not self.built:
             # No outer name scope (Keras's class opens one here): each optimizer scopes
@@ -257,11 +265,12 @@ class LossScaleOptimizer(counters.LossScaleCounters, keras.optimizers.LossScaleO
         finite = tf.equal(tf.reduce_sum(nonfinite), 0.0)
         divisor = scale if scaled else tf.ones([], scale.dtype)  # x / 1 is exact
         unscaled = [
-            g if g is None or getattr(v, "overwrite_with_gradient", False) else _unscale(g, divisor)
+            g if g is None or getattr(v, "overwrite_with_gradient", False) else unscale(g, divisor)
             for g, v in zip(grads, variables)
         ]
         if self.accumulation_steps == 1:
             self._apply_if(finite, unscaled, variables)
+            self._settle_state(finite, tf.logical_not(finite))
             self._update_state(finite, nonfinite, scale)
         else:
             accumulation.add_micro_batch(self, finite, nonfinite, unscaled, variables, scale)
@@ -365,9 +374,10 @@ class LossScaleOptimizer(counters.LossScaleCounters, keras.optimizers.LossScaleO
             min_scale=self.min_scale,
             max_scale=self.max_scale,
             dynamic=self.dynamic,
-            master_weights=self.master_weights,
+            master_weights=self._master_weights_request,
             accumulation_steps=self.accumulation_steps,
             allreduce_dtype=self.allreduce_dtype,
+            restore_on_skip=self.restore_on_skip,
         )
         return config
 
@@ -379,15 +389,6 @@ class LossScaleOptimizer(counters.LossScaleCounters, keras.optimizers.LossScaleO
             config.pop("inner_optimizer"), custom_objects=custom_objects
         )
         return cls(inner, **config)
-
-
-def _unscale(g, scale):
-    """`g / scale`, in float32 for half gradients (IndexedSlices kept sparse)."""
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(_unscale(g.values, scale), g.indices, g.dense_shape)
-    if g.dtype in (tf.float16, tf.bfloat16):
-        g = tf.cast(g, tf.float32)
-    return g / tf.cast(scale, g.dtype)
 
 
 def _dtype(v):

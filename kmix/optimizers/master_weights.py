@@ -32,6 +32,13 @@ def auto_master_weights():
     return keras.config.dtype_policy().variable_dtype not in _HALF
 
 
+def in_force(masters, compensation):
+    """`True` where float32 copies exist, `"kahan"` where compensation buffers do, else False."""
+    if masters:
+        return True
+    return "kahan" if compensation else False
+
+
 def create_masters(optimizer, var_list):
     """Creates a float32 optimizer variable for each half variable in `var_list`.
 

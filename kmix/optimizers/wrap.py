@@ -69,7 +69,11 @@ def wrap(optimizer, **kwargs):
     defaults = {} if half_range else {"dynamic": False, "initial_scale": 1.0}
     if kwargs.get("dynamic", defaults.get("dynamic", True)) is False and "min_scale" not in kwargs:
         defaults["min_scale"] = min(1.0, kwargs.get("initial_scale", 1.0))
-    return LossScaleOptimizer(inner, **{**defaults, **kwargs})
+    wrapped = LossScaleOptimizer(inner, **{**defaults, **kwargs})
+    # A fixed scale chosen here from the policy, not by the caller: `build` may switch it to
+    # dynamic when the model's layers compute in float16 (kmix/optimizers/follow_model.py).
+    wrapped._scale_from_policy = "dynamic" in defaults and not {"dynamic", "initial_scale"} & set(kwargs)
+    return wrapped
 
 
 def _get_optimizer(optimizer):

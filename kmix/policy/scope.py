@@ -1,6 +1,8 @@
 """`set_policy`, `policy_scope` and `active_policy`: kmix's global policy."""
 
 import contextlib
+import gc
+import sys
 import warnings
 
 import keras
@@ -8,7 +10,7 @@ import keras
 from kmix.policy import _state
 from kmix.policy.policy import Policy
 
-_WARNED = set()  # the opt levels `set_policy` has warned about in this process
+_WARNED = set()  # the opt levels `set_policy` / `policy_scope` have warned about in this process
 
 
 def set_policy(spec, half=None):
@@ -41,17 +43,39 @@ def set_policy(spec, half=None):
     <DTypePolicy "mixed_float16">
     """
     policy = _set(Policy(spec, half=half))
-    if policy.opt_level in ("O1", "O2") and policy.opt_level not in _WARNED:
-        _WARNED.add(policy.opt_level)
-        warnings.warn(
-            f"kmix.set_policy({policy.opt_level!r}) gives every layer built from now on Keras's "
-            f"policy {policy.to_keras().name!r}: normalization layers, softmax and the model's "
-            f"outputs included, not {policy.opt_level}'s float32 placement. For that, build the "
-            f"model in float32 and call `kmix.autocast(model, {policy.opt_level!r})`; compile it "
-            f"inside `kmix.policy_scope({policy.opt_level!r})` so that `kmix.wrap` follows the level.",
-            stacklevel=2,
-        )
+    _warn_once(policy, f"kmix.set_policy({policy.opt_level!r}) gives every layer built from now on")
     return policy
+
+
+def _warn_once(policy, subject, stacklevel=3):
+    """The one-time warning for O1 / O2 as a global policy: layers get the whole level's policy."""
+    if policy.opt_level not in ("O1", "O2") or policy.opt_level in _WARNED:
+        return
+    _WARNED.add(policy.opt_level)
+    level = policy.opt_level
+    warnings.warn(
+        f"{subject} Keras's policy {policy.to_keras().name!r}: normalization layers, softmax and "
+        f"the model's outputs included, not {level}'s float32 placement. For that, build the "
+        f"model in float32 and call `kmix.autocast(model, {level!r})`; compile it inside "
+        f"`kmix.policy_scope({level!r})` so that `kmix.wrap` follows the level.",
+        stacklevel=stacklevel,
+    )
+
+
+def _layers_holding(keras_policy, baseline):
+    """Whether layers created since `baseline` (a reference count) hold `keras_policy`.
+
+    A layer created with no `dtype` keeps the global policy object itself, so
+    the scope's own `keras.DTypePolicy` gains references exactly when layers
+    are built inside the scope (metrics, losses and optimizers take none).
+    The count is O(1); only a rise pays for a look at who refers to it.
+    """
+    if sys.getrefcount(keras_policy) <= baseline:
+        return False
+    return any(
+        isinstance(r, dict) and r.get("_dtype_policy") is keras_policy
+        for r in gc.get_referrers(keras_policy)
+    )
 
 
 def _set(policy):
@@ -66,7 +90,14 @@ def policy_scope(spec, half=None):
     """Runs a `with` block under a policy, then restores the previous one.
 
     Keras's global dtype policy and kmix's policy are both saved on entry and
-    restored on exit, also when the block raises.
+    restored on exit, also when the block raises. The scope is for
+    *compiling*: `kmix.wrap` inside it follows the level (dynamic loss
+    scaling under float16, master weights under O2). Layers *built* inside
+    take the level's whole Keras policy, as under `set_policy`: under `"O1"`
+    or `"O2"` that is no float32 island (batch norm, softmax and outputs in
+    half), so a scope in which layers were built warns once per level, as
+    `set_policy` does. For the level's placement, build the model in float32
+    and `kmix.autocast` it.
 
     Args:
         spec: anything `kmix.Policy` accepts.
@@ -77,14 +108,25 @@ def policy_scope(spec, half=None):
 
     Example:
 
-    >>> with kmix.policy_scope("O2", half="bfloat16") as policy:
-    ...     model = build_model()           # bfloat16 variables
-    ...     opt = kmix.wrap("adam")         # with float32 master weights
+    >>> model = kmix.autocast(build_model(), "O2")   # built in float32, placed
+    >>> with kmix.policy_scope("O2") as policy:
+    ...     model.compile(optimizer=kmix.wrap("adam"), loss="mse")  # float32 master weights
     """
     previous_keras = keras.config.dtype_policy()
     previous = _state.save()
     try:
-        yield _set(Policy(spec, half=half))
+        policy = _set(Policy(spec, half=half))
+        keras_policy = keras.config.dtype_policy()
+        baseline = sys.getrefcount(keras_policy)
+        try:
+            yield policy
+        finally:
+            if policy.opt_level in ("O1", "O2") and policy.opt_level not in _WARNED:
+                if _layers_holding(keras_policy, baseline):
+                    _warn_once(
+                        policy, f"Layers built inside kmix.policy_scope({policy.opt_level!r}) took", 4
+                    )
+            del keras_policy
     finally:
         keras.config.set_dtype_policy(previous_keras)
         _state.restore(previous)

@@ -186,3 +186,38 @@ def two_replicas():
 
     devices = [d.name for d in tf.config.list_logical_devices("CPU")[:2]]
     return tf.distribute.MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_decoder_with_a_padding_mask_and_python_keywords_matches_the_bare_decoder(mode):
+    """`use_causal_mask=True` / `training=False` next to a tensor mask: bound one by one, as unwrapped."""
+    x = tf.random.stateless_normal((2, 8, 32), seed=(3, 4))
+    padding_mask = tf.constant(np.arange(8)[None, :] < np.array([[8], [5]]))
+    keras.utils.set_random_seed(0)
+    decoder = keras_hub.layers.TransformerDecoder(32, 2, dropout=0.2, name="decoder")
+    wrapped = kmix.layers.Remat(decoder)
+    decoder(x, decoder_padding_mask=padding_mask)  # builds
+
+    def loss_and_grads(layer, training):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, decoder_padding_mask=padding_mask, use_causal_mask=True, training=training)
+            loss = tf.reduce_sum(y * tf.range(32, dtype=y.dtype))
+        return y, tape.gradient(loss, [x] + decoder.trainable_variables)
+
+    fn = loss_and_grads if mode == "eager" else tf.function(loss_and_grads)
+    for training in (False, True):
+        seeds = [v.numpy() for v in decoder.non_trainable_variables]
+        y_plain, g_plain = fn(decoder, training)
+        for v, value in zip(decoder.non_trainable_variables, seeds):
+            v.assign(value)  # the same dropout masks for the wrapped call
+        y_remat, g_remat = fn(wrapped, training)
+        np.testing.assert_allclose(y_remat.numpy(), y_plain.numpy(), rtol=1e-6, atol=1e-6)
+        assert all(g is not None for g in g_remat)
+        for a, b in zip(g_plain, g_remat):
+            np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6)
+    # The causal mask is in force: the first position does not see the later ones.
+    y_first = fn(wrapped, False)[0][:, 0]
+    x_changed = tf.concat([x[:, :1], x[:, 1:] + 1.0], axis=1)
+    y_changed = wrapped(x_changed, decoder_padding_mask=padding_mask, use_causal_mask=True)[:, 0]
+    np.testing.assert_allclose(y_changed.numpy(), y_first.numpy(), rtol=1e-6, atol=1e-6)

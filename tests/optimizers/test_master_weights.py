@@ -138,3 +138,26 @@ def test_weights_set_after_build_are_kept():
     fit(model, 1e-2, steps=1)
     expected, _ = reference("float16", 1e-2, 1e-3, True, steps=1, start=0.5)
     assert float(keras.ops.convert_to_numpy(kernel.kernel)[0, 0]) == expected
+
+
+@pytest.mark.parametrize("level, half_variables", [("O1", False), ("O2", True)])
+def test_master_weights_reads_true_only_where_copies_exist(level, half_variables):
+    """O1 keeps every variable float32: the request stands in the config, the attribute says False."""
+    with policy_scope(level):
+        model, _ = build(None)  # the level's Keras policy: float32 variables (O1), float16 (O2)
+        opt = kmix.wrap(keras.optimizers.SGD(1e-3))
+        assert opt.master_weights is True  # before the build: what "auto" asks for
+        model.compile(optimizer=opt, loss="mae")
+        fit(model, 1e-2, steps=2)
+    assert (model.get_layer("w").kernel.dtype in ("float16",)) is half_variables
+    assert opt.master_weights is half_variables
+    assert len(master_values(opt)) == int(half_variables)  # the count of float32 copies, another way
+    config = opt.get_config()
+    assert config["master_weights"] is True  # the argument round-trips as given
+    assert kmix.LossScaleOptimizer.from_config(config).master_weights is True  # decides again on build
+
+
+def test_kahan_on_float32_variables_reads_false():
+    model, _ = build("float32")
+    opt = train(model, 1e-2, 1e-3, master_weights="kahan", jit_compile=False, steps=2)
+    assert opt.master_weights is False and opt.get_config()["master_weights"] == "kahan"

@@ -109,3 +109,33 @@ def test_global_o1_o2_warn_once_and_say_what_a_model_built_there_does(monkeypatc
     placed = kmix.autocast(fresh, "O2")
     assert {v.dtype for v in placed.get_layer("bn").weights} == {"float32"}
     assert placed.output.dtype == Policy("O2").output_dtype == "float32"
+
+
+def test_scope_o1_warns_once_when_layers_are_built_inside_like_set_policy(monkeypatch):
+    """Built inside `policy_scope("O1")`, a model gets half batch norm: the scope says so, once."""
+    from kmix.policy import scope
+
+    monkeypatch.setattr(scope, "_WARNED", set())
+    keras.utils.set_random_seed(0)
+    reference = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), keras.layers.BatchNormalization()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with policy_scope("O1"):  # compiling (and wrapping) inside builds no layer: silent
+            reference.compile(optimizer=kmix.wrap("sgd"), loss="mse")
+    with pytest.warns(UserWarning, match=r"Layers built inside kmix.policy_scope\('O1'\) took Keras's "
+                                         r"policy 'mixed_float16'.*kmix.autocast\(model, 'O1'\)") as record:
+        with policy_scope("O1"):
+            inputs = keras.Input((4,))
+            built = keras.Model(inputs, keras.layers.BatchNormalization(name="bn")(keras.layers.Dense(4)(inputs)))
+    assert record[0].filename == __file__  # points at the user's `with`
+    # What it warns about, checked against a model built outside: half statistics there.
+    assert built.get_layer("bn").compute_dtype == "float16"
+    assert reference.layers[1].compute_dtype == "float32"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with policy_scope("O1"):  # once per level, shared with set_policy
+            keras.layers.Dense(2)
+        set_policy("O1")
+    with pytest.warns(UserWarning, match=r"policy_scope\('O2'\)"):
+        with policy_scope("O2"):
+            keras.layers.Dense(2)

@@ -1,0 +1,83 @@
+"""A quiet TensorFlow start for kmix's commands (`python -m kmix ...`, the `kmix` script).
+
+TensorFlow 2.21 prints its start-up notes (oneDNN, the CUDA stub, CPU features,
+"failed call to cuInit" on a machine without a GPU driver) from C++ static
+initializers, before it reads `TF_CPP_MIN_LOG_LEVEL`; the variable alone does
+not hide them. A command therefore sets the variable (unless the user did)
+and starts TensorFlow with the C++ side of stderr captured: the start-up
+notes are dropped, anything else is written back. Python's own `sys.stderr`
+bypasses the capture, so warnings and tracebacks are untouched. Imported as a
+library, kmix changes nothing.
+"""
+
+import os
+import re
+import sys
+import tempfile
+
+_LOG_LINE = re.compile(r"^(?P<level>[IWEF])\d{4} [\d:. ]+\d+ (?P<file>[\w.]+):\d+\]")
+_ABSL_NOTE = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+_QUIET_LEVEL = "3"  # runtime notes logged at ERROR level too ("oneDNN supports DT_HALF only ..."); real errors raise
+
+
+def launched_as_command(argv=None):
+    """Whether this process is `python -m kmix ...` or the `kmix` console script."""
+    argv = list(getattr(sys, "orig_argv", sys.argv) if argv is None else argv)
+    for i, arg in enumerate(argv[:-1]):
+        if arg == "-m" and argv[i + 1] in ("kmix", "kmix.__main__"):
+            return True
+    script = next((a for a in argv[1:] if not a.startswith("-")), "")
+    return os.path.basename(script) == "kmix"
+
+
+def quiet_tensorflow_start():
+    """Sets `TF_CPP_MIN_LOG_LEVEL` unless set and starts TensorFlow without its start-up notes.
+
+    Returns:
+        True when it did so; False when the user had set the variable (their
+        level is respected and nothing is filtered) or TensorFlow was
+        already imported.
+    """
+    if "TF_CPP_MIN_LOG_LEVEL" in os.environ or "tensorflow" in sys.modules:
+        return False
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = _QUIET_LEVEL
+    sys.stderr.flush()
+    saved_fd = os.dup(2)
+    python_stderr = sys.stderr
+    with tempfile.TemporaryFile(mode="w+b") as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            sys.stderr = os.fdopen(os.dup(saved_fd), "w", buffering=1)  # Python output goes through
+            import tensorflow as tf
+
+            tf.config.list_physical_devices()  # the CUDA probe ("failed call to cuInit")
+        finally:
+            sys.stderr.flush()
+            sys.stderr.close()
+            sys.stderr = python_stderr
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+        captured.seek(0)
+        kept = drop_startup_notes(captured.read().decode("utf-8", "replace"))
+    if kept:
+        sys.stderr.write(kept)
+        sys.stderr.flush()
+    return True
+
+
+def drop_startup_notes(text):
+    """`text` (TensorFlow's C++ stderr) without start-up notes: INFO/WARNING lines, CUDA probing.
+
+    A log line's continuation lines (no prefix of their own) go with it.
+    """
+    kept, dropping = [], False
+    for line in text.splitlines(keepends=True):
+        match = _LOG_LINE.match(line)
+        if match:
+            dropping = match["level"] in "IW" or match["file"].startswith("cuda")
+        elif line.rstrip("\n") == _ABSL_NOTE:
+            dropping = True
+            continue
+        if not dropping:
+            kept.append(line)
+    return "".join(kept)

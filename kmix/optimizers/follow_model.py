@@ -1,0 +1,85 @@
+"""`kmix.wrap` follows the model it trains: float16 compute gets dynamic loss scaling.
+
+`kmix.wrap` outside a float16 policy gives a fixed scale of 1 (bfloat16 and
+float32 need none). A model placed by `kmix.autocast` records the compute
+dtype of each variable's layer (`kmix.policy.advice`), and a model trained
+by `fit` is known to the optimizer when it is built; so at build time:
+
+```
+half = float16 among the recorded compute dtypes of var_list, or among the
+       compute dtypes of the model's layers that own trainable variables
+if half and the scale is fixed at 1:
+    scale chosen by wrap from the policy -> dynamic, from the advised scale or 2^15 (INFO log)
+    scale chosen by the user             -> kept; a warning says how to get scaling
+```
+"""
+
+import logging
+import warnings
+
+from kmix import _compat
+from kmix.policy import advice
+
+_log = logging.getLogger("kmix")
+DEFAULT_SCALE = 2.0**15
+
+
+def half_compute(var_list, model=None):
+    """Whether `var_list` (or `model`'s layers that own trainable variables) compute in float16."""
+    if "float16" in advice.compute_dtypes(var_list):
+        return True
+    if model is None:
+        return False
+    stack, seen = [model], set()
+    while stack:
+        layer = stack.pop()
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        children = list(_compat.sublayers(layer))
+        inherited = {id(w) for child in children for w in child.trainable_weights}
+        owns = any(id(w) not in inherited for w in layer.trainable_weights)
+        if owns and layer.compute_dtype == "float16":
+            return True
+        stack.extend(children)
+    return False
+
+
+def follow(optimizer, var_list, model=None):
+    """Switches a fixed scale of 1 to dynamic loss scaling where the variables compute in float16.
+
+    Called by `LossScaleOptimizer.build` before the scale variable exists.
+    """
+    if optimizer.dynamic or optimizer.initial_scale != 1.0:
+        return
+    if not half_compute(var_list, model):
+        return
+    policy = _active_policy_name()
+    advised = advice.initial_scale(var_list, policy)
+    scale = advised or DEFAULT_SCALE
+    if getattr(optimizer, "_scale_from_policy", False):
+        optimizer.dynamic = True
+        optimizer.initial_scale = scale
+        optimizer.max_scale = max(optimizer.max_scale, scale)
+        _log.info(
+            "kmix: %s %r trains variables whose layers compute in float16, but was wrapped under a "
+            "policy without float16 compute (fixed scale 1): switched to dynamic loss scaling from "
+            "%g%s.", type(optimizer).__name__, optimizer.name, scale,
+            " (the scale kmix.autocast advised)" if advised else "",
+        )
+        return
+    warnings.warn(
+        f"{type(optimizer).__name__} {optimizer.name!r} trains variables whose layers compute in "
+        "float16 with a fixed loss scale of 1, as its arguments ask (dynamic=False, "
+        "initial_scale=1): small float16 gradients flush to zero. For dynamic loss scaling, "
+        f"wrap the optimizer with `kmix.wrap(opt, dynamic=True, initial_scale={scale:g})`, or "
+        "call `kmix.wrap(opt)` inside `kmix.policy_scope(level)`.",
+        stacklevel=4,
+    )
+
+
+def _active_policy_name():
+    from kmix.policy import active_policy
+
+    policy = active_policy()
+    return None if policy is None else policy.name

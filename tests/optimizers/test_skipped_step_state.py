@@ -1,0 +1,120 @@
+"""A skipped step changes nothing: batch-norm statistics included, bit for bit.
+
+The reference is the same training without the bad batch. The bad batch's
+activations overflow float16 in the forward pass (inputs of 1e5 through a
+Dense of ones): batch norm's moving statistics would take inf, the gradients
+are non-finite and the optimizer skips the step. The scale is fixed (16), so
+the skip changes no scale and both runs take exactly the same applied steps.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmix
+
+BAD = 2  # the index of the bad batch
+
+
+def batches(with_bad):
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(5):
+        x = rng.normal(size=(8, 4)).astype("float32")
+        y = x.sum(axis=1, keepdims=True)
+        if i == BAD:
+            if not with_bad:
+                continue
+            x = np.full_like(x, 1e5)  # 4e5 after the first Dense: inf in float16
+        out.append((x, y))
+    return out
+
+
+def build():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((4,)),
+        keras.layers.Dense(4, kernel_initializer="ones"),
+        keras.layers.BatchNormalization(momentum=0.5),
+        keras.layers.Dense(1),
+    ])
+
+
+def make_optimizer(restore_on_skip=True):
+    return kmix.wrap(keras.optimizers.Adam(1e-2), dynamic=False, initial_scale=16.0,
+                     restore_on_skip=restore_on_skip)
+
+
+def run(route, with_bad, restore_on_skip=True):
+    keras.config.set_dtype_policy("mixed_float16")
+    strategy = tf.distribute.get_strategy()
+    if route == "mirrored":
+        cpus = tf.config.list_logical_devices("CPU")
+        # No collectives: their keys restart with each strategy, and another test's strategy
+        # in this process may have used them for other shapes.
+        strategy = tf.distribute.MirroredStrategy([d.name for d in cpus[:2]],
+                                                   cross_device_ops=tf.distribute.ReductionToOneDevice())
+    with strategy.scope():
+        model = build()
+        opt = make_optimizer(restore_on_skip)
+    data = batches(with_bad)
+    if route == "custom_loop":
+        opt.track(model)
+        loss_fn = keras.losses.MeanSquaredError()
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = opt.scale_loss(loss_fn(y, model(x, training=True)))
+            opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+        for x, y in data:
+            step(tf.constant(x), tf.constant(y))
+    else:
+        with strategy.scope():
+            model.compile(optimizer=opt, loss="mse", jit_compile=route == "xla")
+        x = np.concatenate([b[0] for b in data])
+        y = np.concatenate([b[1] for b in data])
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    state = [np.asarray(w) for w in model.get_weights()]  # kernels, biases, BN gamma/beta/mean/var
+    slots = [np.asarray(keras.ops.convert_to_numpy(v)) for v in opt.inner_optimizer.variables]
+    return state, slots, opt
+
+
+def count(variable):
+    return int(keras.ops.convert_to_numpy(variable.value))
+
+
+@pytest.mark.parametrize("route", ["fit", "xla", "custom_loop", "mirrored"])
+def test_skipped_step_is_bit_identical_to_no_step(route):
+    ref_state, ref_slots, ref_opt = run(route, with_bad=False)
+    state, slots, opt = run(route, with_bad=True)
+    assert count(opt.skipped_steps) == 1 and count(ref_opt.skipped_steps) == 0
+    assert count(opt.iterations) == count(ref_opt.iterations) == 4
+    assert len(state) == 8  # the moving mean and variance are among them
+    for a, b in zip(ref_state + ref_slots, state + slots):
+        np.testing.assert_array_equal(b, a)
+
+
+def test_without_restore_the_skipped_forward_pass_leaves_inf_statistics():
+    """`restore_on_skip=False`, Keras's behaviour: the weights are safe, the statistics are not."""
+    state, _, opt = run("fit", with_bad=True, restore_on_skip=False)
+    assert int(opt.skipped_steps) == 1
+    moving_mean, moving_var = state[4], state[5]
+    assert not np.isfinite(np.concatenate([moving_mean, moving_var])).all()
+    assert opt.get_config()["restore_on_skip"] is False
+    assert kmix.LossScaleOptimizer.from_config(opt.get_config()).restore_on_skip is False
+
+
+def test_track_takes_current_values_and_rejects_other_things():
+    model = build()
+    opt = make_optimizer().track(model)
+    bn = model.layers[1]
+    bn.moving_mean.assign(np.full(4, 3.0, np.float32))  # set behind the optimizer's back
+    opt.track(model)  # ... and adopted as the committed state
+    opt.build(model.trainable_variables)
+    opt._settle_state(tf.constant(False), tf.constant(True))  # a skipped step: restore
+    np.testing.assert_array_equal(bn.moving_mean.numpy(), np.full(4, 3.0, np.float32))
+    with pytest.raises(TypeError, match=r"`track` takes a keras.Model.*Received: 'model'"):
+        opt.track("model")
