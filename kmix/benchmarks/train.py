@@ -97,9 +97,8 @@ class _Run:
     def time_round(self, steps):
         """One untimed step, then times `steps` steps; keeps the seconds per step.
 
-        The untimed step absorbs what another route left behind: turning
-        the grappler rewrite on or off makes TensorFlow instantiate every
-        function again on its next call.
+        The untimed step absorbs a first call that traces or instantiates
+        anything again.
         """
         self.route.train(1)
         self.seconds.append(time_call(lambda: self.route.train(steps), repeats=1, warmup=0)[0] / steps)
@@ -146,7 +145,10 @@ def measure_all(configs, size, steps, rounds, interleave, model_name="gpt"):
         interleave: build every route first, then time round 1 of each,
             round 2 of each, ...: drift on a shared machine then hits all of
             them alike. Otherwise each runs alone, after the previous one is
-            freed, so that its peak device memory is its own.
+            freed, so that its peak device memory is its own. Either way
+            the `tf-rewrite` route runs after the others (alone), since
+            switching TensorFlow's rewrite on and off slows the functions of
+            routes that run after it.
         model_name: `"gpt"` or `"resnet50"`.
 
     Returns:
@@ -157,22 +159,31 @@ def measure_all(configs, size, steps, rounds, interleave, model_name="gpt"):
         interleaved), `loss` (the last training loss, to show it trained).
     """
     label = lambda c: f"{c[0]}, {c[1]}, {'XLA' if c[2] is True else 'tf.function' if c[2] is False else 'default compile'}"  # noqa: E731
+    # TensorFlow's rewrite runs last: once its option has been set and unset, the functions of
+    # the other routes ran slower for the rest of the process on our CPUs (2026-11-23).
+    order = sorted(range(len(configs)), key=lambda i: configs[i][1] == "tf-rewrite")
+    results = [None] * len(configs)
     if not interleave:
-        results = []
-        for i, config in enumerate(configs, 1):
-            progress(f"[{i}/{len(configs)}] {label(config)}")
-            results.append(measure(config, size, steps, rounds, model_name))
+        for n, i in enumerate(order, 1):
+            progress(f"[{n}/{len(configs)}] {label(configs[i])}")
+            results[i] = measure(configs[i], size, steps, rounds, model_name)
         return results
     _reset()
-    runs = []
-    for i, config in enumerate(configs, 1):
-        progress(f"[{i}/{len(configs)}] building and compiling {label(config)}")
-        runs.append(_Run(config, model_name, size))
-    for r in range(rounds):
-        progress(f"timing round {r + 1}/{rounds}")
-        for run in runs:
-            run.time_round(steps)
-    return [run.result(None) for run in runs]
+    phases = [[i for i in order if configs[i][1] != "tf-rewrite"], [i for i in order if configs[i][1] == "tf-rewrite"]]
+    done = 0
+    for phase in phases:
+        runs = {}
+        for i in phase:
+            done += 1
+            progress(f"[{done}/{len(configs)}] building and compiling {label(configs[i])}")
+            runs[i] = _Run(configs[i], model_name, size)
+        for r in range(rounds if runs else 0):
+            progress(f"timing round {r + 1}/{rounds}" + (" (the rewrite, alone)" if phase is phases[1] else ""))
+            for run in runs.values():
+                run.time_round(steps)
+        for i, run in runs.items():
+            results[i] = run.result(None)
+    return results
 
 
 def fits(policy, stack, size, batch):
