@@ -31,6 +31,7 @@ ROUTES = {
     "keras-bf16": ("mixed_bfloat16", "keras", "auto"),
     "kmix-bf16": ("mixed_bfloat16", "kmix", "auto"),
     "tf-rewrite": ("float32", "tf-rewrite", False),
+    "autocast-O1-bf16": ("O1-bfloat16", "recommended", False),  # the route kmix.recommend() picks here
 }
 CATEGORIES = {  # op type -> category; anything else is "other"
     "matmul": ("MatMul", "BatchMatMul", "Einsum", "Conv"),

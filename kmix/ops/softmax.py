@@ -167,7 +167,9 @@ def _masked_softmax(logits, mask, bias, axis, dtype, log, names=None):
         safe_total = tf.where(total > zero, total, tf.ones([], compute_dtype))
         result = tf.where(keep, shifted - tf.math.log(safe_total), zero)
     else:
-        result = tf.math.divide_no_nan(exps, total)
+        # One reciprocal per row and a multiply per element: cheaper than dividing every
+        # element (divide_no_nan); a row with nothing kept has total 0 and gives 0.
+        result = exps * tf.math.reciprocal_no_nan(total)
     if mask_ok is not None:
         # Under XLA the assertion is dropped: a NaN output makes the bad mask visible.
         result = tf.where(mask_ok, result, tf.constant(np.nan, compute_dtype))
