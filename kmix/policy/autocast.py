@@ -1,24 +1,29 @@
 """`kmix.autocast(model)`: a copy of a model with each layer placed by precision.
 
-The copy is made the way `model.save` / `load_model` make one: the model's
-config is serialized, every layer's dtype is replaced by a
-`keras.dtype_policies.DTypePolicyMap` holding the placement (keyed by layer
-path, so layers that blocks create inside themselves are placed too), and
-the config is deserialized with that map as the global policy. This keeps
-the model's class (a keras-hub `BertBackbone` stays one), its `keras.ops`
-nodes and slices, its nested models and shared layers. Layers without
-variables (softmax, activations, ops) are then placed on the copy, and the
-weights are copied over.
+One pipeline, read top to bottom in `autocast`:
+
+1. plan: the rules give every layer of the model a policy (`Rules.plan`, pure);
+2. rebuild: the model's config is serialized, every layer's dtype is replaced
+   by a `keras.dtype_policies.DTypePolicyMap` holding the plan (keyed by layer
+   path, so layers that blocks create with their block's dtype are placed
+   too), and the config is deserialized exactly as `keras.models.load_model`
+   deserializes a saved model (under the global policy of the moment), so the
+   copy in memory is the copy a reload gives. This keeps the model's class (a
+   keras-hub `BertBackbone` stays one), its `keras.ops` nodes and slices, its
+   nested models and shared layers;
+3. copy the weights;
+4. verify: a layer whose policy in the copy is not the planned one (a block
+   that builds it under the global policy, or with a fixed dtype of its own)
+   is reported as not placed, in the table and in one warning.
 """
 
 import collections
-import contextlib
 import warnings
 
 import keras
 
 from kmix import _compat
-from kmix.policy.placement import Rules, resolved_policy, safe_replacements, walk
+from kmix.policy.placement import Rules, is_graph_model, resolved_policy, safe_replacements, saved_layers, walk
 from kmix.policy.policy import Policy
 
 Placement = collections.namedtuple("Placement", "layer cls before after reason")
@@ -110,13 +115,18 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
     probe_layers = [layer for _, layer, _ in walk(probe)]
     dtype_map = rules.dtype_map(model, plan, probe_layers if len(probe_layers) == len(plan) else None)
     new_model = _rebuild(model, dtype_map, swap)
-    table = _place_and_copy(model, plan, new_model, rules.plan(new_model))
+    table = _verify(model, plan, new_model, rules.plan(new_model))
+    _copy_weights(model, new_model)
     unplaced = [row.layer for row in table if "not placed" in row.reason]
     if unplaced:
         warnings.warn(
-            f"kmix.autocast could not place {unplaced}: they create their variables with a dtype "
-            "of their own (not from their config or the global policy). They keep it; see the "
-            "`why` column of the table (`return_table=True`).",
+            f"kmix.autocast could not place {unplaced}: a layer they belong to creates them with a "
+            "dtype of its own, or under the global policy rather than its `dtype`, which a saved "
+            "model does not carry. They keep the policy a reload gives them, so the copy in "
+            "memory predicts as it will after `keras.models.load_model`; see the `why` column of "
+            "the table (`return_table=True`). To place them anyway, build the model under "
+            "`keras.config.set_dtype_policy(kmix.policy_map(model, policy))` and load it under "
+            "the same global policy.",
             stacklevel=2,
         )
     if verbose:
@@ -153,9 +163,14 @@ def _rebuild(model, dtype_map, swap):
     map_config = keras.saving.serialize_keras_object(dtype_map)
     replacements = safe_replacements() if swap else {}
     config = _rewrite(config, map_config, {("keras.layers", k.__name__): v for k, v in replacements.items()})
-    custom = {type(layer).__name__: type(layer) for _, layer, _ in walk(model)}
-    custom[type(model).__name__] = type(model)
-    with _global_policy(dtype_map), keras.saving.custom_object_scope(custom):
+    # The user's own classes, unregistered ones included, by the name their configs give. Keras's
+    # own classes are left to Keras: a name such as "Add" is a merge layer and a `keras.ops` node.
+    custom = {
+        cls.__name__: cls
+        for cls in {type(layer) for _, layer, _ in walk(model)} | {type(model)}
+        if not cls.__module__.startswith(("keras.", "keras_hub."))
+    }
+    with keras.saving.custom_object_scope(custom):
         # safe_mode=False: a Lambda's function is the user's own, from this process.
         return keras.saving.deserialize_keras_object(config, safe_mode=False)
 
@@ -183,38 +198,41 @@ def _is_policy_config(value):
     return isinstance(value, dict) and "DTypePolicy" in str(value.get("class_name", ""))
 
 
-@contextlib.contextmanager
-def _global_policy(policy):
-    previous = keras.config.dtype_policy()
-    keras.config.set_dtype_policy(policy)
-    try:
-        yield
-    finally:
-        keras.config.set_dtype_policy(previous)
-
-
-def _place_and_copy(model, plan, new_model, new_plan):
-    """Places the copy's layers the map could not reach; copies the weights; the table."""
+def _verify(model, plan, new_model, new_plan):
+    """The table: each layer's policy before and in the copy; where the copy missed the plan, why."""
     if len(plan) != len(new_plan):
         raise ValueError(
             f"The copy of model {model.name!r} has {len(new_plan)} layers where the model has "
             f"{len(plan)}: a layer's `get_config` does not re-create it as it is."
         )
     table = AutocastTable()
-    for (path, old, _, _), (_, new, dtype, reason) in zip(plan, new_plan):
-        if dtype is not None and resolved_policy(new).name != dtype:
-            if new.weights and keras.DTypePolicy(dtype).variable_dtype != new.variable_dtype:
-                reason += f" (not placed: its variables are {new.variable_dtype})"
+    saved = saved_layers(model)
+    for (path, old, dtype, reason), (_, new, _, _) in zip(plan, new_plan):
+        # A nested model computes nothing itself: its layers do, and they have rows of their own.
+        if dtype is not None and resolved_policy(new).name != dtype and not is_graph_model(new):
+            if id(old) in saved and not new.weights:
+                # A layer built in its constructor (`Activation`, `Dropout`) has no path when the
+                # map is read; one whose config the model saves keeps a policy set now.
+                new.dtype_policy = dtype
             else:
-                new.dtype_policy = dtype  # a change of compute dtype only: safe after build
+                reason += f" (not placed: {_why_not_placed(new, dtype)})"
+        after = resolved_policy(new).name
         if isinstance(old, keras.layers.Lambda):
             new.function = old.function  # the original object, with its closure
         cls = type(old).__name__
         if type(new) is not type(old):
             cls += f" -> kmix.layers.{type(new).__name__}"
-        table.append(Placement(path, cls, resolved_policy(old).name, resolved_policy(new).name, reason))
-    _copy_weights(model, new_model)
+        table.append(Placement(path, cls, resolved_policy(old).name, after, reason))
     return table
+
+
+def _why_not_placed(layer, dtype):
+    if isinstance(layer.dtype_policy, keras.dtype_policies.DTypePolicyMap):
+        return f"created under {resolved_policy(layer).name} though its policy map says {dtype}"
+    return (
+        f"created under the global policy or a dtype of its own ({layer.dtype_policy.name}), "
+        "not its block's"
+    )
 
 
 def _copy_weights(old, new):

@@ -8,9 +8,12 @@ layers nested in other layers and models included, by `kmix.autocast` and by
 `kmix.policy_map` (the route for subclassed models).
 """
 
+import re
+
 import keras
 
 from kmix import _compat
+from kmix.policy import norms
 from kmix.policy.policy import Policy
 
 # Float32 islands: statistics over many elements, where half loses precision.
@@ -83,9 +86,31 @@ def walk(root):
     yield from visit(root, "")
 
 
+def saved_layers(root):
+    """The ids of the layers whose own configs `root`'s config holds, dtype policies included.
+
+    These are the layers of Sequential and functional graphs that list their
+    layers in `get_config()`. A keras-hub backbone's config holds only its
+    constructor arguments: it re-creates its layers, as blocks do.
+    """
+    lists = {}
+
+    def listed(parent):
+        if id(parent) not in lists:
+            lists[id(parent)] = is_graph_model(parent) and "layers" in _config(parent)
+        return lists[id(parent)]
+
+    return {id(layer) for _, layer, parent in walk(root) if listed(parent)}
+
+
+def _config(model):
+    """`model`'s config as `model.save` writes it (a layer's auto config included)."""
+    return keras.saving.serialize_keras_object(model).get("config") or {}
+
+
 def _children(layer):
     """The layers directly inside `layer`: a graph model's layers, else those it tracks."""
-    if _is_graph_model(layer):
+    if is_graph_model(layer):
         return list(layer.layers)  # not the hidden functional model a Sequential keeps
     return _compat.sublayers(layer)
 
@@ -132,27 +157,34 @@ class Rules:
             if id(layer) in kept:
                 dtype, reason = None, "WithPolicy: kept"
             else:
-                in_block = not _is_graph_model(parent)
+                in_block = not is_graph_model(parent)
                 dtype, reason = self._place(layer, id(layer) in named, id(layer) in outputs, in_block)
             plan.append((path, layer, dtype, reason))
         return plan
 
     def dtype_map(self, model, plan, copy_layers=None):
-        """The `DTypePolicyMap` of `plan` (from `self.plan(model)`): entries for layers with variables.
+        """The `DTypePolicyMap` of `plan` (from `self.plan(model)`): an entry per layer placed off the default.
+
+        Layers without variables have entries too: a float32 layer's constants
+        (a `Normalization`'s mean) are cast to its compute dtype when it is built.
 
         A layer's path depends on how the model was built, not only on the
         layer (a Sequential built from `keras.Input` or from its config; a
         block built inside a wrapper's call or before it): each entry is keyed
         by its path without the model's name and with it, and `copy_layers`,
         the layers of a copy of `model` in `plan`'s order, adds the paths they
-        have there. Keys are exact paths, never patterns: a pattern could
-        place a layer of the same name elsewhere.
+        have there. Keys are exact paths, never broad patterns: a pattern could
+        place a layer of the same name elsewhere. The one pattern: a layer a
+        block creates without a name is named by Keras's counter
+        (`t5_layer_norm_4`), which runs on in every copy and reload
+        (`t5_layer_norm_24`), so it is keyed by its block's path and its class's
+        name with any counter (`_auto_name_keys`).
         """
         prefix = f"{model.name}/"
         entries = {}
         copy_layers = copy_layers or [None] * len(plan)
         for (_, layer, dtype, _), copy in zip(plan, copy_layers):
-            if dtype is None or dtype == self.default.name or not layer.weights:
+            if dtype is None or dtype == self.default.name:
                 continue
             for path in (layer.path, getattr(copy, "path", None)):
                 if path:
@@ -162,6 +194,8 @@ class Rules:
             for key in (relative, prefix + relative):
                 if key not in dtype_map:
                     dtype_map[key] = keras.DTypePolicy(dtype)
+        for key, dtype in _auto_name_keys(plan, prefix, self.default.name):
+            dtype_map[key] = keras.DTypePolicy(dtype)
         return dtype_map
 
     def _place(self, layer, named, output, in_block):
@@ -184,11 +218,7 @@ class Rules:
                 return half, "model output, but a block: keeps its dtype"
             return "float32", "model output"
         if _is_normalization(layer):
-            if in_block:
-                # Keras's norms compute their statistics in float32 whatever the policy; inside a
-                # block their output must keep the block's dtype (its residual adds are raw `+`).
-                return f"mixed_{self.policy.compute_dtype}", "normalization (in a block)"
-            return "float32", "normalization"
+            return _place_normalization(layer, self.policy.compute_dtype) if in_block else ("float32", "normalization")
         activation = _activation_name(layer)
         if activation in _FLOAT32_ACTIVATIONS:
             return "float32", f"{activation} activation"
@@ -217,8 +247,7 @@ def policy_map(model, policy="O1", float32_layers=None):
     map as their `dtype`. The map is keyed by layer path: build a fresh
     instance of the model with the map as the global dtype policy (or as its
     `dtype`), and its layers take the placement as they create their
-    variables. Layers without variables and the model's outputs are not keyed
-    by path; `kmix.autocast` places those as well.
+    variables (layers without variables, as they are built).
 
     Args:
         model: a built model (any kind), named as the model you will build
@@ -278,7 +307,7 @@ def _output_layers(model):
         if last is None:
             return set()
         return _output_layers(last) if isinstance(last, keras.Model) else {id(last)}
-    if not _is_graph_model(model):
+    if not is_graph_model(model):
         return set()
     found = set()
     stack = list(keras.tree.flatten(model.outputs))
@@ -286,7 +315,7 @@ def _output_layers(model):
         operation, node_index = _compat.producer(stack.pop())
         if isinstance(operation, keras.layers.InputLayer) or operation is None:
             continue
-        if isinstance(operation, keras.Model) and _is_graph_model(operation):
+        if isinstance(operation, keras.Model) and is_graph_model(operation):
             found |= _output_layers(operation)
         elif isinstance(operation, keras.layers.Layer):
             found.add(id(operation))
@@ -295,7 +324,7 @@ def _output_layers(model):
     return found
 
 
-def _is_graph_model(model):
+def is_graph_model(model):
     """A Sequential or functional model (a keras-hub backbone included): its graph is known."""
     return isinstance(model, keras.Sequential) or _compat.is_functional(model)
 
@@ -303,6 +332,55 @@ def _is_graph_model(model):
 def _is_normalization(layer):
     """Keras's normalization layers, and other libraries' by name (keras-hub's `LlamaLayerNorm`)."""
     return isinstance(layer, _NORMALIZATION) or "Norm" in type(layer).__name__
+
+
+def _auto_name_keys(plan, prefix, default):
+    """`(pattern, policy name)` for the layers of `plan` that Keras named by its counter.
+
+    A block's sublayer made without `name=` is called `<class in snake case>` or
+    `<...>_<n>`, n counting every layer of that class made in the process, so a
+    copy's names differ from the model's. The pattern keeps the block's path
+    exact and lets the counter vary: `encoder_layer_0/t5_layer_norm(?:_\d+)?`.
+    It is given only where every layer it covers in `model` has one placement
+    (then no two keys can match one path), and only off the default.
+    """
+    found = {}  # pattern -> policy names of the layers it covers
+    for _, layer, dtype, _ in plan:
+        path = layer.path or ""
+        parent, _, name = path.rpartition("/")
+        base = _snake_case(type(layer).__name__)
+        if dtype is None or not parent or not re.fullmatch(re.escape(base) + r"(_\d+)?", name):
+            continue
+        if parent.startswith(prefix):
+            parent = parent[len(prefix):]
+        found.setdefault(f"{re.escape(parent)}/{re.escape(base)}(?:_\\d+)?", set()).add(dtype)
+    keys = []
+    for pattern, dtypes in found.items():
+        if len(dtypes) == 1 and dtypes != {default}:
+            keys += [(pattern, *dtypes), (re.escape(prefix) + pattern, *dtypes)]
+    return keys
+
+
+def _snake_case(class_name):
+    """The name Keras gives an unnamed layer of `class_name` before its counter (`T5LayerNorm` -> `t5_layer_norm`)."""
+    name = re.sub(r"\W+", "", class_name)
+    name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()
+
+
+def _place_normalization(layer, half):
+    """A norm a block created: float32 statistics whatever it is, the block's dtype out where it can.
+
+    The block adds the norm's output to raw tensors of its own dtype (`x + residual`). A norm
+    that computes its statistics in float32 inside (`norms.probe`: Keras's, Llama's, Gemma's)
+    keeps the half compute dtype with float32 variables, and so hands back the block's dtype.
+    One that squares in half (T5's) computes in float32: its output goes to the block's layers
+    (attention, dense), which cast their inputs; T5 takes the residual before the norm.
+    """
+    verdict = norms.probe(layer)
+    if verdict.float32 is False:
+        return "float32", f"normalization in a block: {verdict.detail}, so float32"
+    return f"mixed_{half}", f"normalization in a block: {verdict.detail}, half out"
 
 
 def _is_kmix(layer):
