@@ -163,6 +163,8 @@ def probe(shape=None, budget=0.25):
             d_model 512 MLP over 1024 tokens) and
             `(8192, 4096, 4096)` on a GPU (large enough for tensor cores).
         budget: seconds of timed calls per configuration (after one warm-up call).
+            A configuration whose call on 1/16 of the rows already predicts
+            more than `budget` a call is timed on those rows alone.
 
     Returns:
         A `Probe`. Six configurations, a few seconds in all on a CPU.
@@ -191,8 +193,10 @@ def _probe(shape, budget, on_gpu):
     for dtype in DTYPES:
         tensors = [tf.cast(t, dtype) for t in tensors32]
         for jit in (False, True):
-            fn = tf.function(_train_step, jit_compile=jit)
-            gflops[(dtype, jit)] = 12 * m * k * n / _seconds_per_call(fn, tensors, budget) / 1e9
+            # A function of its own per configuration: one traced six times would warn of retracing.
+            fn = tf.function(lambda *t: _train_step(*t), jit_compile=jit)
+            rows, seconds = _time_rows(fn, tensors, budget)
+            gflops[(dtype, jit)] = 12 * rows * k * n / seconds / 1e9
     where = gpus()[0]["name"] if on_gpu else f"CPU ({cpu_features()['model']})"
     return Probe(where, shape, gflops, time.perf_counter() - start)
 
@@ -206,6 +210,24 @@ def _train_step(x, w1, b1, w2):
         y = x + tf.matmul(tf.nn.gelu(tf.matmul(x, w1) + b1), w2)
         loss = tf.reduce_mean(tf.square(tf.cast(y, tf.float32)))
     return tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in tape.gradient(loss, [x, w1, b1, w2])])
+
+
+def _time_rows(fn, tensors, budget, fraction=16):
+    """`(rows, seconds per call)`: on all of `x`'s rows, or on 1/`fraction` of them when that is too slow.
+
+    A dtype without fast kernels (float16 on most CPUs) can take seconds a
+    call at full size: one call on a slice of the rows tells its rate, and the
+    probe stays within seconds.
+    """
+    rows = max(1, int(tensors[0].shape[0]) // fraction)
+    small = [tensors[0][:rows]] + list(tensors[1:])
+    fn(*small).numpy()  # trace / compile, and warm up
+    begin = time.perf_counter()
+    fn(*small).numpy()
+    seconds = time.perf_counter() - begin
+    if seconds * fraction > budget:
+        return rows, seconds
+    return int(tensors[0].shape[0]), _seconds_per_call(fn, tensors, budget)
 
 
 def _seconds_per_call(fn, tensors, budget):

@@ -2,7 +2,9 @@
 
 import time
 
+import numpy as np
 import pytest
+import tensorflow as tf
 
 import kmix
 from kmix import device
@@ -102,6 +104,29 @@ def test_a_real_probe_is_short_and_cached():
     rec = kmix.recommend(probe=probe)
     assert rec.probe is probe and rec.policy in ("float32", "O1-bfloat16", "O1-float16")
     assert "Measured on" in str(rec) and "128x64" in str(rec)
+
+
+class _RowsCost:
+    """A stand-in step that costs `seconds_per_row` per row of its first input, and counts its rows."""
+
+    def __init__(self, seconds_per_row):
+        self.seconds_per_row, self.rows = seconds_per_row, []
+
+    def __call__(self, x, *rest):
+        self.rows.append(int(x.shape[0]))
+        time.sleep(self.seconds_per_row * int(x.shape[0]))
+        return tf.zeros(())
+
+
+def test_a_slow_configuration_is_timed_on_a_slice_of_the_rows():
+    x = np.zeros((160, 4), "float32")
+    slow = _RowsCost(2e-3)  # 0.32 s a full call: over the budget, so 10 rows (0.02 s) tell the rate
+    rows, seconds = device._time_rows(slow, [x], budget=0.05)
+    assert rows == 10 and slow.rows == [10, 10] and 0.02 <= seconds < 0.2
+    fast = _RowsCost(1e-5)  # 1.6 ms a full call: timed at full size, at least three calls
+    rows, seconds = device._time_rows(fast, [x], budget=0.05)
+    assert rows == 160 and fast.rows[:2] == [10, 10] and set(fast.rows[2:]) == {160}
+    assert len(fast.rows) >= 2 + 1 + 3 and seconds >= 1.6e-3
 
 
 def test_probe_shape_from_a_model_and_bad_shape():
