@@ -129,7 +129,9 @@ class Rules:
     Args:
         policy: a `kmix.Policy`.
         float32_layers: layer classes and/or layer names (a nested model's
-            or block's name covers everything inside it) kept in float32.
+            or block's name covers everything inside it) kept in float32; a
+            name may also be a path as `walk` gives it (`"t5/decoder_0/attention"`),
+            which names one layer where several share a name.
     """
 
     def __init__(self, policy, float32_layers=None):
@@ -150,7 +152,7 @@ class Rules:
         rows = list(walk(model))
         self._check_names(model, rows)
         kept = _subtree_ids([layer for _, layer, _ in rows if isinstance(layer, WithPolicy)])
-        named = _subtree_ids([layer for _, layer, _ in rows if layer.name in self.names])
+        named = _subtree_ids([layer for path, layer, _ in rows if layer.name in self.names or path in self.names])
         outputs = _output_layers(model)
         plan = []
         for path, layer, parent in rows:
@@ -231,7 +233,7 @@ class Rules:
         return half, "follows inputs"
 
     def _check_names(self, model, rows):
-        unknown = sorted(self.names - {layer.name for _, layer, _ in rows})
+        unknown = sorted(self.names - {layer.name for _, layer, _ in rows} - {path for path, _, _ in rows})
         if unknown:
             raise ValueError(
                 f"`float32_layers` names {unknown}, which are no layers of model {model.name!r}. "
@@ -347,10 +349,10 @@ def _auto_name_keys(plan, prefix, default):
     found = {}  # pattern -> policy names of the layers it covers
     for _, layer, dtype, _ in plan:
         path = layer.path or ""
-        parent, _, name = path.rpartition("/")
-        base = _snake_case(type(layer).__name__)
-        if dtype is None or not parent or not re.fullmatch(re.escape(base) + r"(_\d+)?", name):
+        parent = path.rpartition("/")[0]
+        if dtype is None or not parent or not is_auto_named(layer):
             continue
+        base = _snake_case(type(layer).__name__)
         if parent.startswith(prefix):
             parent = parent[len(prefix):]
         found.setdefault(f"{re.escape(parent)}/{re.escape(base)}(?:_\\d+)?", set()).add(dtype)
@@ -359,6 +361,13 @@ def _auto_name_keys(plan, prefix, default):
         if len(dtypes) == 1 and dtypes != {default}:
             keys += [(pattern, *dtypes), (re.escape(prefix) + pattern, *dtypes)]
     return keys
+
+
+def is_auto_named(layer):
+    """Whether Keras named `layer` by its counter (made without `name=`): `t5_layer_norm_4`."""
+    if layer is None:
+        return False
+    return re.fullmatch(re.escape(_snake_case(type(layer).__name__)) + r"(_\d+)?", layer.name) is not None
 
 
 def _snake_case(class_name):
