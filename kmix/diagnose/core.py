@@ -13,7 +13,8 @@ MARGIN = 8.0  # the recommended scale keeps the largest gradient this far below 
 SCALE_RANGE = (2.0**-24, 2.0**24)  # kmix.LossScaleOptimizer's default cap is 2^24
 
 
-def diagnose(model, x, y=None, policy="mixed_float16", batches=4, batch_size=32, bfloat16_available=None):
+def diagnose(model, x, y=None, policy="mixed_float16", batches=4, batch_size=32, bfloat16_available=None,
+             float32_layers=None):
     """Runs a float32 model on a few batches and finds what would fail under a half policy.
 
     In float32, for every layer (nested layers included: the layers inside
@@ -51,6 +52,10 @@ def diagnose(model, x, y=None, policy="mixed_float16", batches=4, batch_size=32,
             GPUs of compute capability 8.0 or later, or with no GPU a CPU
             with AVX512_BF16 or AMX-BF16 and oneDNN on). Only
             `recommended_policy` depends on it.
+        float32_layers: layer names or paths (`"t5/decoder_0/attention"`)
+            that the half run keeps in float32, everything inside them
+            included, as `kmix.autocast(float32_layers=...)` would place
+            them: what fails once they are placed. They are not reported.
 
     Returns:
         A `kmix.Diagnosis`: `first_nonfinite_layer`, `float32_layers` (names
@@ -81,6 +86,7 @@ def diagnose(model, x, y=None, policy="mixed_float16", batches=4, batch_size=32,
     if not model.built:
         _forward(model, found[0][0], training=False)
     nodes = probe.layer_tree(model)
+    _keep(nodes, data.check_float32_layers(float32_layers, nodes))
     data.check_float32(nodes)
     snapshot = [(v, v.numpy()) for v in list(model.variables) + list(model.metrics_variables)]
     run = _Float32Run(nodes, half)
@@ -97,6 +103,13 @@ def diagnose(model, x, y=None, policy="mixed_float16", batches=4, batch_size=32,
     finally:
         _restore(snapshot)
     return _decide(model, policy, run, flaky, masks, bfloat16_available, len(found))
+
+
+def _keep(nodes, names):
+    """Marks the nodes named (by name or path) and everything inside them as kept in float32."""
+    for node in nodes:  # parents come before their children
+        if node.path in names or node.layer.name in names or (node.parent is not None and node.parent.kept):
+            node.kept = True
 
 
 def _forward(model, x, training):
@@ -318,5 +331,5 @@ def _verdict(node, row, first, reasons, origins):
     elif row.half_nonfinite:
         words.append("non-finite from upstream")
     if node.kept:
-        words.append("kept (WithPolicy)")
+        words.append("kept")
     return ", ".join(words) or "ok"

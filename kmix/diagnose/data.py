@@ -39,6 +39,30 @@ def check_policy(policy):
     return parsed
 
 
+def check_float32_layers(float32_layers, nodes):
+    """`float32_layers` as a set of names or paths of `nodes`' layers; a clear error otherwise."""
+    if float32_layers is None:
+        return set()
+    items = [float32_layers] if isinstance(float32_layers, str) else float32_layers
+    try:
+        names = set(items)
+    except TypeError:
+        names = None
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            "`float32_layers` must be a list of layer names or paths. Received: "
+            f"float32_layers={float32_layers!r}."
+        )
+    known = {n.path for n in nodes} | {n.layer.name for n in nodes}
+    unknown = sorted(names - known)
+    if unknown:
+        raise ValueError(
+            f"`float32_layers` names {unknown}, which are no layers of the model. Accepted: the "
+            "layer names and paths of the diagnosis table (its `layer` column)."
+        )
+    return names
+
+
 def check_float32(nodes):
     """Raises when a layer of the model already computes in a half dtype."""
     half = [n.path for n in nodes if n.layer.compute_dtype in ("float16", "bfloat16")]

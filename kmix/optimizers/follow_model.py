@@ -11,6 +11,8 @@ half = float16 among the recorded compute dtypes of var_list, or among the
 if half and the scale is fixed at 1:
     scale chosen by wrap from the policy -> dynamic, from the advised scale or 2^15 (INFO log)
     scale chosen by the user             -> kept; a warning says how to get scaling
+if dynamic and wrap chose the initial scale (no `initial_scale=`):
+    start from the scale kmix.autocast(..., sample=) advised for var_list, if any
 ```
 """
 
@@ -50,7 +52,10 @@ def follow(optimizer, var_list, model=None):
 
     Called by `LossScaleOptimizer.build` before the scale variable exists.
     """
-    if optimizer.dynamic or optimizer.initial_scale != 1.0:
+    if optimizer.dynamic:
+        start_from_advice(optimizer, var_list)
+        return
+    if optimizer.initial_scale != 1.0:
         return
     if not half_compute(var_list, model):
         return
@@ -76,6 +81,27 @@ def follow(optimizer, var_list, model=None):
         "call `kmix.wrap(opt)` inside `kmix.policy_scope(level)`.",
         stacklevel=4,
     )
+
+
+def start_from_advice(optimizer, var_list):
+    """A dynamic scale that `kmix.wrap` chose starts from the one advised for `var_list`.
+
+    `kmix.autocast(model, level, sample=...)` records, for the copy's
+    variables, the initial scale its diagnosis advises; an initial scale the
+    caller gave (`kmix.wrap(opt, initial_scale=...)`) is kept. Only the
+    variables' own advice counts: the scale advised for one model never
+    starts another trained under the same level.
+    """
+    if not getattr(optimizer, "_initial_scale_from_wrap", False):
+        return
+    advised = advice.initial_scale(var_list)
+    if advised is None or advised == optimizer.initial_scale:
+        return
+    optimizer.initial_scale = advised
+    optimizer.max_scale = max(optimizer.max_scale, advised)
+    optimizer.min_scale = min(optimizer.min_scale, advised)
+    _log.info("kmix: %s %r starts its loss scale at %g, the scale kmix.autocast advised for its "
+              "model's sample.", type(optimizer).__name__, optimizer.name, advised)
 
 
 def _active_policy_name():

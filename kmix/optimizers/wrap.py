@@ -73,6 +73,8 @@ def wrap(optimizer, **kwargs):
     # A fixed scale chosen here from the policy, not by the caller: `build` may switch it to
     # dynamic when the model's layers compute in float16 (kmix/optimizers/follow_model.py).
     wrapped._scale_from_policy = "dynamic" in defaults and not {"dynamic", "initial_scale"} & set(kwargs)
+    # No scale asked for: `build` may start from the one `kmix.autocast(..., sample=)` advised.
+    wrapped._initial_scale_from_wrap = "initial_scale" not in kwargs
     return wrapped
 
 

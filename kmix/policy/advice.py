@@ -38,6 +38,21 @@ def record(variables_by_dtype, initial_scale=None, policy_name=None):
             _LEVEL_SCALE[policy_name] = float(initial_scale)
 
 
+def record_model(model, initial_scale=None, policy_name=None):
+    """Records, for each trainable variable of `model`, the compute dtype of the layer that owns it.
+
+    The owner is the innermost layer holding the variable (a `Dense` inside a
+    block, not the block). `initial_scale` and `policy_name` as in `record`.
+    """
+    from kmix.policy.placement import walk  # placement imports nothing of the optimizers'
+
+    owners = {id(v): (v, model.compute_dtype) for v in model.trainable_variables}
+    for _, layer, _ in walk(model):  # parents before children: the innermost owner is last
+        for v in layer.trainable_variables:
+            owners[id(v)] = (v, layer.compute_dtype)
+    record(owners.values(), initial_scale, policy_name)
+
+
 def compute_dtypes(variables):
     """The set of compute dtypes recorded for `variables` (empty when none were)."""
     found = (_get(_COMPUTE, v) for v in variables)

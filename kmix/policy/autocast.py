@@ -23,6 +23,7 @@ import warnings
 import keras
 
 from kmix import _compat
+from kmix.policy import advice, diagnosed
 from kmix.policy.placement import Rules, is_graph_model, resolved_policy, safe_replacements, saved_layers, walk
 from kmix.policy.policy import Policy
 
@@ -51,7 +52,7 @@ class AutocastTable(list):
         return [row.layer for row in self if row.before != row.after or "->" in row.cls]
 
 
-def autocast(model, policy="O1", float32_layers=None, verbose=False, return_table=False):
+def autocast(model, policy="O1", float32_layers=None, verbose=False, return_table=False, sample=None):
     """Returns a copy of `model`, with the same weights, with each layer placed by precision.
 
     Under a policy with half compute (O1, O2, `"mixed_float16"`, ...):
@@ -66,7 +67,14 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
       statistics included, under O2), `Activation("softmax")` /
       `Activation("log_softmax")` (and any layer whose `activation` is one
       of these), the layers producing the model's outputs (looking through
-      `keras.ops` nodes and nested models), and `float32_layers`.
+      `keras.ops` nodes and nested models), and `float32_layers` (and, with
+      `sample`, the layers the diagnosis of the sample finds overflowing);
+    - normalization that a block creates inside itself computes its
+      statistics in float32 too: a norm that casts to float32 inside (Keras's
+      own, keras-hub's Llama, Gemma and Mistral norms; measured once per
+      class) keeps the block's half dtype, with float32 variables, so its
+      output still adds to the block's raw tensors; one that squares in half
+      (keras-hub's `T5LayerNorm`) computes in float32.
 
     Under a pure-half policy (O3, `"float16"`) every layer is half except
     `float32_layers`: O3 is the speed baseline. Under float32 compute (O0)
@@ -80,10 +88,21 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
             `model.save`.
         policy: anything `kmix.Policy` accepts; `"O1"` by default.
         float32_layers: layer classes and/or layer names to keep in float32
-            as well; a block's or nested model's name covers its inside.
+            as well; a block's or nested model's name covers its inside. A
+            path as the table's `layer` column shows it names one layer
+            where several share a name (`"t5/decoder_0/self_attention"`).
         verbose: print the table of layer, class, policy before and after.
         return_table: also return the table (an `AutocastTable` of
             `Placement(layer, cls, before, after, reason)` rows).
+        sample: a batch `(x, y)` (arrays, tensors, or lists / dicts of them),
+            or a `tf.data.Dataset` whose first batch is used; `model` must
+            be compiled with its loss. `kmix.diagnose` runs the float32
+            model and its half-precision self on it first: the layers that
+            overflow (or hold a `-1e9` mask) are kept in float32 (the table's
+            `why` says `sample: ...`), and the initial loss scale it advises
+            is recorded for the copy's variables, so that `kmix.wrap(opt)`
+            (without `initial_scale=`) starts from it when the optimizer is
+            built. Ignored under float32 compute.
 
     Returns:
         The new model, of the same class, uncompiled, or `(model, table)`
@@ -96,6 +115,8 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
             `kmix.policy_map` to build it placed instead).
         ValueError: for an unbuilt model, or a name in `float32_layers` that
             is no layer of the model.
+        TypeError / ValueError: naming `sample`, for a sample that is not a
+            batch `(x, y)` or a dataset, or a model not compiled with a loss.
 
     Example:
 
@@ -103,9 +124,15 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
     >>> print(table)
     >>> with kmix.policy_scope("O1"):
     ...     fast.compile(optimizer=kmix.wrap("adam"), loss="mse")
+    >>> model.compile(optimizer="adam", loss="mse")          # the float32 model, with its loss
+    >>> fast = kmix.autocast(model, "O1", sample=(x[:32], y[:32]))  # diagnosed islands and scale
     """
     policy = Policy(policy)
     _check_model(model)
+    given = float32_layers
+    advised = diagnosed.advise(model, policy, sample) if sample is not None else None
+    if advised is not None:
+        float32_layers = diagnosed.merge(float32_layers, list(advised.targets))
     rules = Rules(policy, float32_layers)
     plan = rules.plan(model)
     swap = rules.half_compute and not rules.pure
@@ -129,6 +156,10 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
             "the same global policy.",
             stacklevel=2,
         )
+    if advised is not None:
+        table = advised.finish(new_model, table, given)
+    # What kmix.wrap reads when the optimizer is built: compute dtypes, and the advised scale.
+    advice.record_model(new_model, advised and advised.initial_scale, policy.name)
     if verbose:
         print(table)
     return (new_model, table) if return_table else new_model
