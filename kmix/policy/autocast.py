@@ -24,7 +24,7 @@ import keras
 
 from kmix import _compat
 from kmix.policy import advice, diagnosed
-from kmix.policy.placement import Rules, is_graph_model, resolved_policy, safe_replacements, saved_layers, walk
+from kmix.policy.placement import Rules, is_graph_model, own_weights, resolved_policy, safe_replacements, saved_layers, walk
 from kmix.policy.policy import Policy
 
 Placement = collections.namedtuple("Placement", "layer cls before after reason")
@@ -247,6 +247,11 @@ def _verify(model, plan, new_model, new_plan):
                 new.dtype_policy = dtype
             else:
                 reason += f" (not placed: {_why_not_placed(new, dtype)})"
+        elif dtype is not None:
+            # A variable made in `__init__`, before the layer has a path, misses the map.
+            wrong = {v.dtype for v in own_weights(new)} - {keras.DTypePolicy(dtype).variable_dtype}
+            if wrong:
+                reason += f" (not placed: its variables made before its build are {sorted(wrong)})"
         after = resolved_policy(new).name
         if isinstance(old, keras.layers.Lambda):
             new.function = old.function  # the original object, with its closure

@@ -103,6 +103,12 @@ def saved_layers(root):
     return {id(layer) for _, layer, parent in walk(root) if listed(parent)}
 
 
+def own_weights(layer):
+    """The variables `layer` holds itself, not through the layers inside it."""
+    inherited = {id(w) for child in _children(layer) for w in child.weights}
+    return [w for w in layer.weights if id(w) not in inherited]
+
+
 def _config(model):
     """`model`'s config as `model.save` writes it (a layer's auto config included)."""
     return keras.saving.serialize_keras_object(model).get("config") or {}
