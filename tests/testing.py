@@ -5,15 +5,22 @@ Keras's own `keras.src.testing` is private, so kmix's tests use these:
 - `assert_config_round_trip(obj)`: `get_config` -> `from_config` -> same config.
 - `assert_model_round_trip(model, x)`: `model.save(".keras")` ->
   `keras.models.load_model` with no `custom_objects`, same predictions.
+- `assert_placement_survives_reload(model, x)`: the model in memory and
+  after `.keras` save / `load_model` predict bitwise the same and list the
+  same placement (`placement_listing`).
 - `assert_layer_dtypes(make_layer, input_shape)`: builds the layer under
   several policies and checks the output dtype against `compute_output_spec`.
 """
 
+import collections
 import os
+import re
 import tempfile
 
 import keras
 import numpy as np
+
+from kmix import _compat
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 
@@ -61,6 +68,102 @@ def assert_model_round_trip(model, x, atol=0.0):
     if getattr(model, "optimizer", None) is not None and getattr(loaded, "optimizer", None) is not None:
         assert type(loaded.optimizer) is type(model.optimizer)
         assert loaded.optimizer.get_config() == model.optimizer.get_config()
+    return loaded
+
+
+def placement_listing(model):
+    """Where each layer inside `model` computes and keeps its state, nested layers included.
+
+    Returns:
+        A dict from the layer's path (names joined by `/` from `model` down)
+        to `(class name, compute dtype, variable dtype, (weight dtype, ...),
+        ((constant name, dtype), ...))`: the weights are the layer's own (not
+        those of the layers inside it), in order, non-trainable ones
+        (batch-norm statistics) included; the constants are the tensors it
+        holds as attributes (a `Normalization`'s `mean` and `variance` given
+        to its constructor). Weight names are left out: Keras numbers unnamed
+        ones (`variable_36`) by a global counter, so a reloaded copy's differ.
+    """
+    listing = {}
+    seen = {id(model)}
+
+    def visit(layer, prefix):
+        # `model.layers` is public; a custom layer's or a block's sub-layers have no public
+        # accessor (kmix._compat.sublayers says why).
+        children = layer.layers if isinstance(layer, keras.Model) else _compat.sublayers(layer)
+        counts = collections.Counter()
+        for child in children:
+            if id(child) in seen or isinstance(child, keras.layers.InputLayer):
+                continue
+            seen.add(id(child))
+            path = prefix + _stable_name(child, counts)
+            inner = {id(v) for sub in _compat.sublayers(child) for v in sub.weights}
+            own = tuple(keras.backend.standardize_dtype(v.dtype) for v in child.weights if id(v) not in inner)
+            constants = tuple(
+                (name, keras.backend.standardize_dtype(value.dtype))
+                for name, value in sorted(vars(child).items())
+                if keras.ops.is_tensor(value) and not isinstance(value, keras.Variable)
+            )
+            listing[path] = (type(child).__name__, child.compute_dtype, child.variable_dtype, own, constants)
+            visit(child, path + "/")
+
+    visit(model, "")
+    return listing
+
+
+def _stable_name(layer, counts):
+    """The layer's name, or `softmax[1]` for one Keras named by its global counter (`softmax_6`).
+
+    A block creates its unnamed sub-layers anew in a reloaded model, where the
+    counter has moved on; their order among their siblings stays.
+    """
+    base = re.sub("([a-z])([A-Z])", r"\1_\2", re.sub("(.)([A-Z][a-z]+)", r"\1_\2", type(layer).__name__)).lower()
+    if not re.fullmatch(re.escape(base) + r"(_\d+)?", layer.name):
+        return layer.name
+    counts[base] += 1
+    return f"{base}[{counts[base] - 1}]"
+
+
+def assert_placement_survives_reload(model, x, outputs=None):
+    """Asserts a placed model is the same model after `.keras` save and `load_model`.
+
+    The invariant of every model kmix places: the copy in memory and the one
+    `keras.models.load_model` (no `custom_objects`) gives back predict
+    bitwise the same (`model(x, training=False)`, output dtypes included),
+    have the same class, and list the same placement (`placement_listing`:
+    each layer's compute and variable dtype and the dtype of each of its
+    weights).
+
+    Args:
+        model: a built Keras model (an `autocast` copy, say).
+        x: an input batch.
+        outputs: `model(x, training=False)` if already computed (it is
+            computed otherwise).
+
+    Returns:
+        The loaded model.
+    """
+    if outputs is None:
+        outputs = model(x, training=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model.keras")
+        model.save(path)
+        loaded = keras.models.load_model(path)
+    assert type(loaded) is type(model), (type(loaded), type(model))
+    before, after = placement_listing(model), placement_listing(loaded)
+    differences = {
+        path: (before.get(path), after.get(path))
+        for path in sorted(set(before) | set(after))
+        if before.get(path) != after.get(path)
+    }
+    assert not differences, f"placement (in memory, reloaded) differs for {len(differences)} layers: {differences}"
+    expected = keras.tree.flatten(outputs)
+    got = keras.tree.flatten(loaded(x, training=False))
+    assert len(got) == len(expected), (len(got), len(expected))
+    for i, (e, g) in enumerate(zip(expected, got)):
+        e, g = keras.ops.convert_to_numpy(e), keras.ops.convert_to_numpy(g)
+        assert g.dtype == e.dtype, f"output {i}: dtype {g.dtype} after the reload, {e.dtype} in memory"
+        np.testing.assert_array_equal(g, e, err_msg=f"output {i}: in memory vs reloaded")
     return loaded
 
 

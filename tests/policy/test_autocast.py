@@ -7,7 +7,7 @@ import pytest
 import kmix
 from kmix.layers import WithPolicy
 from kmix.policy import autocast
-from tests.testing import assert_model_round_trip
+from tests.testing import assert_model_round_trip, assert_placement_survives_reload
 
 
 def transformer_block():
@@ -43,6 +43,11 @@ EXPECTED_O1 = {
     "logits": ("float32", keras.layers.Dense),  # produces an output
     "log_probs": ("float32", keras.layers.Activation),
 }
+
+
+# Worst error of a prediction, relative to the float32 output's largest value (as in test_real_models).
+TOLERANCE = {"float16": 3e-2, "bfloat16": 1.2e-1}
+LEVELS = ["O1", "O2", "mixed_bfloat16"]
 
 
 def policy_name(layer):
@@ -287,3 +292,53 @@ def test_a_block_wrapped_in_remat_is_placed_inside(recwarn):
     x = [sample((3, 6, 16)), np.ones((3, 6), "int32")]
     np.testing.assert_allclose(new.predict(x, verbose=0), model.predict(x, verbose=0), atol=2e-2)
     assert_model_round_trip(new, x)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_float32_layers_keep_their_constants_in_float32(level):
+    """A Normalization of raw inputs near 1e5: its mean (90000) is inf in float16.
+
+    The layer computes in float32, so its constants (and statistics) must be
+    float32 too, in memory as after a reload: the copy predicts like the
+    float32 model, never NaN.
+    """
+    inputs = keras.Input((4,), name="x")
+    h = keras.layers.Normalization(mean=90000.0, variance=4e8, name="norm")(inputs)
+    h = keras.layers.Dense(8, activation="relu", name="hidden")(h)
+    model = keras.Model(inputs, keras.layers.Dense(3, name="logits")(h), name="raw_inputs")
+    x = np.random.default_rng(0).normal(9e4, 2e4, size=(8, 4)).astype("float32")
+    expected = keras.ops.convert_to_numpy(model(x, training=False)).astype("float64")
+
+    new = autocast(model, level)
+    norm = new.get_layer("norm")
+    assert norm.compute_dtype == "float32"
+    assert keras.backend.standardize_dtype(norm.mean.dtype) == "float32", norm.mean.dtype
+    assert keras.backend.standardize_dtype(norm.variance.dtype) == "float32", norm.variance.dtype
+    assert all(v.dtype == "float32" for v in norm.weights)
+    assert new.get_layer("hidden").compute_dtype == "float16"  # the rest is placed as usual
+    got = new(x, training=False)
+    values = keras.ops.convert_to_numpy(got).astype("float64")
+    assert np.isfinite(values).all(), values
+    np.testing.assert_allclose(values, expected, atol=TOLERANCE["float16"] * np.abs(expected).max(), rtol=0)
+    assert_placement_survives_reload(new, x, outputs=got)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_ops_add_of_a_number_beside_an_add_layer(level):
+    """MobileNetV3's hard-swish `h + 3.0` (a keras.ops node) in a model that has an `Add` layer too."""
+    inputs = keras.Input((8,), name="x")
+    h = keras.layers.Dense(8, name="proj")(inputs)
+    swish = h * keras.layers.ReLU(6.0, name="relu6")(h + 3.0) * (1.0 / 6.0)
+    h = keras.layers.Add(name="residual")([h, swish])
+    model = keras.Model(inputs, keras.layers.Dense(3, name="logits")(h), name="hard_swish")
+    kinds = [type(op).__name__ for op in model.operations]
+    assert "Add" in kinds and any(isinstance(op, keras.layers.Add) for op in model.operations)
+    x = sample((4, 8))
+    expected = keras.ops.convert_to_numpy(model(x, training=False)).astype("float64")
+
+    new = autocast(model, level)
+    assert [type(op).__name__ for op in new.operations] == kinds  # the ops add stays an ops add
+    got = new(x, training=False)
+    tolerance = TOLERANCE[kmix.Policy(level).compute_dtype] * np.abs(expected).max()
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(got).astype("float64"), expected, atol=tolerance, rtol=0)
+    assert_placement_survives_reload(new, x, outputs=got)

@@ -4,17 +4,16 @@ Each model is built tiny from constructor arguments (no presets, no downloads),
 placed under O1, O2 and mixed_bfloat16, and compared with its float32 self:
 same predictions within half-precision rounding, float32 batch norm under O2,
 outputs in the policy's output dtype, a few XLA-compiled `fit` steps with
-`kmix.wrap` that lower the loss, and an exact `.keras` round trip.
+`kmix.wrap` that lower the loss, and the reload invariant: in memory and after
+`.keras` save / `load_model`, the same predictions bit for bit and the same placement.
 """
-
-import os
-import tempfile
 
 import keras
 import numpy as np
 import pytest
 
 import kmix
+from tests.testing import assert_placement_survives_reload, placement_listing
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -134,12 +133,8 @@ def test_autocast_real_model(name, level):
     # Same weights, and an exact round trip through .keras with no custom_objects.
     for old, copy in zip(model.weights, new.weights):
         np.testing.assert_array_equal(_numpy(copy), _numpy(old).astype(copy.dtype).astype("float64"))
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "model.keras")
-        new.save(path)
-        loaded = keras.models.load_model(path)
-    assert type(loaded) is type(model) and _dtypes(loaded) == _dtypes(new)
-    np.testing.assert_array_equal(_numpy(loaded(x, training=False)), _numpy(got))
+    loaded = assert_placement_survives_reload(new, x, outputs=got)
+    assert _dtypes(loaded) == _dtypes(new)
 
 
 # XLA compiles of the keras-hub models take 15-50 s each on a 2-core CPU: they train under O2
@@ -171,6 +166,7 @@ def test_autocast_real_model_trains_with_xla(name, level):
     assert float(optimizer.loss_scale) == expected_scale
     if level == "O2":  # the half parameters follow their float32 master copies
         assert optimizer.master_weights and any(v.dtype == "float16" for v in new.trainable_weights)
+    assert_placement_survives_reload(new, x)  # trained (moved batch-norm statistics included)
 
 
 def _tokens(rng):
@@ -202,13 +198,41 @@ def test_keras_hub_backbones_in_general(cls_name):
     norms = [row.layer for row in table if "normalization" in row.reason]
     assert norms and all(v.dtype == "float32" for v in new.weights if "norm" in v.path)
     assert any(v.dtype == "float16" for v in new.weights if v.path.endswith("kernel"))
-    expected = keras.tree.flatten(model(x))
-    got = keras.tree.flatten(new(x))
-    for e, g in zip(expected, got):
+    expected = keras.tree.flatten(model(x, training=False))
+    outputs = new(x, training=False)
+    for e, g in zip(expected, keras.tree.flatten(outputs)):
         e, g = _numpy(e), _numpy(g)
         np.testing.assert_allclose(g, e, atol=TOLERANCE["float16"] * np.abs(e).max(), rtol=0)
-    with tempfile.TemporaryDirectory() as tmp:
-        new.save(os.path.join(tmp, "model.keras"))
-        loaded = keras.models.load_model(os.path.join(tmp, "model.keras"))
-    for a, b in zip(keras.tree.flatten(loaded(x)), got):
-        np.testing.assert_array_equal(_numpy(a), _numpy(b))
+    assert_placement_survives_reload(new, x, outputs=outputs)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_keras_hub_image_classifier_is_placed_and_keeps_it_on_reload(level):
+    """keras-hub's DenseNet ImageClassifier: its backbone's layers are placed, and stay so after a reload.
+
+    DenseNetBackbone builds its layers under the global policy; a copy that
+    computes its convolutions in half in memory but in float32 after
+    `load_model` predicts differently once saved.
+    """
+    backbone = keras_hub.models.DenseNetBackbone(
+        stackwise_num_repeats=[1, 1], image_shape=(32, 32, 3), growth_rate=4
+    )
+    model = keras_hub.models.DenseNetImageClassifier(backbone=backbone, num_classes=5)
+    x = np.random.default_rng(0).uniform(0.0, 1.0, (2, 32, 32, 3)).astype("float32")
+    expected = _numpy(model(x, training=False))
+    policy = kmix.Policy(level)
+
+    new = kmix.autocast(model, level)
+    assert type(new) is type(model)
+    listing = placement_listing(new)
+    convs = {path: row for path, row in listing.items() if row[0] == "Conv2D"}
+    norms = {path: row for path, row in listing.items() if row[0] == "BatchNormalization"}
+    assert any(path.endswith("conv1_conv") for path in convs) and norms, sorted(listing)
+    not_half = {path: row[1] for path, row in convs.items() if row[1] != policy.compute_dtype}
+    assert not not_half, f"convolutions not computing in {policy.compute_dtype}: {not_half}"
+    not_float32 = {path: row[3] for path, row in norms.items() if set(row[3]) != {"float32"}}
+    assert not not_float32, f"batch norms with half variables (statistics included): {not_float32}"
+    got = new(x, training=False)
+    tolerance = TOLERANCE[policy.compute_dtype] * np.abs(expected).max()
+    np.testing.assert_allclose(_numpy(got), expected, atol=tolerance, rtol=0)
+    assert_placement_survives_reload(new, x, outputs=got)
