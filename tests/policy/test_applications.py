@@ -33,10 +33,13 @@ TOLERANCE = {"float16": 3e-2, "bfloat16": 1.2e-1}
 # The smallest input side each builder accepts where it is not 32 (found by trying: Keras refuses less).
 SMALLEST_INPUT = {"InceptionResNetV2": 75, "InceptionV3": 75, "Xception": 71}
 # The builders that run by default: the smallest of each family and both MobileNetV3s (small, and
-# of two different shapes). The others are deeper or wider siblings of these, and InceptionResNetV2.
+# of two different shapes). The others are deeper or wider siblings of these, InceptionResNetV2,
+# and NASNetMobile: its layers' paths in a copy miss the policy map's exact keys (NASNet builds
+# inside name scopes), and Keras's DTypePolicyMap then tries every key as a pattern on each
+# lookup: 438 s for this one test on 2 cores, where the others take 3-13 s.
 DEFAULT = {
     "ConvNeXtTiny", "DenseNet121", "EfficientNetB0", "EfficientNetV2B0", "InceptionV3",
-    "MobileNet", "MobileNetV2", "MobileNetV3Large", "MobileNetV3Small", "NASNetMobile",
+    "MobileNet", "MobileNetV2", "MobileNetV3Large", "MobileNetV3Small",
     "ResNet50", "ResNet50V2", "VGG16", "VGG19", "Xception",
 }
 ALL = os.environ.get("KMIX_ALL_APPLICATIONS") == "1"
