@@ -263,7 +263,9 @@ class LossScaleOptimizer(
             # Every replica sees every replica's overflow, so all skip together.
             nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
         finite = tf.equal(tf.reduce_sum(nonfinite), 0.0)
-        divisor = scale if scaled else tf.ones([], scale.dtype)  # x / 1 is exact
+        # Unscaled gradients, or a fixed scale of 1 (bfloat16, float32): nothing to divide by, which
+        # saves a pass over every gradient (half gradients still go to float32).
+        divisor = scale if scaled and (self.dynamic or self.initial_scale != 1.0) else None
         unscaled = [
             g if g is None or getattr(v, "overwrite_with_gradient", False) else unscale(g, divisor)
             for g, v in zip(grads, variables)

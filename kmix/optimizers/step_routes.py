@@ -138,9 +138,9 @@ class StepRoutes:
 
 
 def unscale(g, scale):
-    """`g / scale`, in float32 for half gradients (IndexedSlices kept sparse)."""
+    """`g / scale`, in float32 for half gradients (IndexedSlices kept sparse); `scale=None`: no division."""
     if isinstance(g, tf.IndexedSlices):
         return tf.IndexedSlices(unscale(g.values, scale), g.indices, g.dense_shape)
     if g.dtype in (tf.float16, tf.bfloat16):
         g = tf.cast(g, tf.float32)
-    return g / tf.cast(scale, g.dtype)
+    return g if scale is None else g / tf.cast(scale, g.dtype)
