@@ -19,8 +19,8 @@ if dynamic and wrap chose the initial scale (no `initial_scale=`):
 import logging
 import warnings
 
-from kmix import _compat
 from kmix.policy import advice
+from kmix.policy.placement import own_weights, walk
 
 _log = logging.getLogger("kmix")
 DEFAULT_SCALE = 2.0**15
@@ -32,19 +32,11 @@ def half_compute(var_list, model=None):
         return True
     if model is None:
         return False
-    stack, seen = [model], set()
-    while stack:
-        layer = stack.pop()
-        if id(layer) in seen:
-            continue
-        seen.add(id(layer))
-        children = list(_compat.sublayers(layer))
-        inherited = {id(w) for child in children for w in child.trainable_weights}
-        owns = any(id(w) not in inherited for w in layer.trainable_weights)
-        if owns and layer.compute_dtype == "float16":
-            return True
-        stack.extend(children)
-    return False
+    layers = [model] + [layer for _, layer, _ in walk(model)]
+    return any(
+        layer.compute_dtype == "float16" and any(w.trainable for w in own_weights(layer))
+        for layer in layers
+    )
 
 
 def follow(optimizer, var_list, model=None):
