@@ -151,6 +151,11 @@ def _masked_softmax(logits, mask, bias, axis, dtype, log, names=None):
         keep = finite_below if keep is None else tf.logical_and(keep, finite_below)
 
     zero = tf.zeros([], compute_dtype)
+    if not log and len(axes) == 1:
+        result = _fused_softmax(x, keep, axes[0])
+        if mask_ok is not None:
+            result = tf.where(mask_ok, result, tf.constant(np.nan, compute_dtype))
+        return tf.cast(result, out_dtype)
     if keep is not None:
         # One select does both jobs: the max ignores masked positions, and exp(-inf - max)
         # is exactly 0 there, forward and backward (exp' = exp = 0, never 0 * inf).
@@ -174,6 +179,40 @@ def _masked_softmax(logits, mask, bias, axis, dtype, log, names=None):
         # Under XLA the assertion is dropped: a NaN output makes the bad mask visible.
         result = tf.where(mask_ok, result, tf.constant(np.nan, compute_dtype))
     return tf.cast(result, out_dtype)
+
+
+def _fused_softmax(x, keep, axis):
+    """The softmax over one axis on TensorFlow's fused kernel, masked positions selected out.
+
+    A masked position, and a `-inf` logit, become the dtype's lowest finite
+    value rather than `-inf`, so that a row with nothing kept stays finite
+    (`tf.nn.softmax` of a row of `-inf` is NaN); such a row, whose max is
+    that lowest value, is then replaced with zeros. Elsewhere
+    `exp(lowest - max)` is exactly 0. NaN stays NaN: `maximum` and
+    `reduce_max` propagate it, and `row_max <= lowest` is False for it.
+
+    The gradient is the softmax's own, `p * (g - sum(g * p))`, taken with
+    the zeroed `p`: 0 at masked positions and on rows with nothing kept,
+    without the selects that differentiating the `where`s would add. The
+    attention softmax is the largest tensor of a transformer's step, and
+    every pass over it shows in the step time (docs/benchmarks.md).
+    """
+    lowest = tf.constant(x.dtype.min, x.dtype)
+
+    @tf.custom_gradient
+    def softmax(logits):
+        if keep is not None:
+            logits = tf.where(keep, logits, lowest)
+        logits = tf.maximum(logits, lowest)
+        row_max = tf.reduce_max(logits, axis=axis, keepdims=True)
+        probs = tf.where(row_max <= lowest, tf.zeros([], x.dtype), tf.nn.softmax(logits, axis=axis))
+
+        def grad(upstream):
+            return probs * (upstream - tf.reduce_sum(upstream * probs, axis=axis, keepdims=True))
+
+        return probs, grad
+
+    return softmax(x)
 
 
 def keep_from_mask(mask, names=None):

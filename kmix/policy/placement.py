@@ -348,7 +348,7 @@ def _auto_name_keys(plan, prefix, default):
     A block's sublayer made without `name=` is called `<class in snake case>` or
     `<...>_<n>`, n counting every layer of that class made in the process, so a
     copy's names differ from the model's. The pattern keeps the block's path
-    exact and lets the counter vary: `encoder_layer_0/t5_layer_norm(?:_\d+)?`.
+    exact and lets the counter vary: `encoder_layer_0/t5_layer_norm(?:_\\d+)?`.
     It is given only where every layer it covers in `model` has one placement
     (then no two keys can match one path), and only off the default.
     """
