@@ -379,3 +379,15 @@ def model_building(optimizer, depth=8):
         if isinstance(owner, keras.Model) and getattr(owner, "optimizer", None) is optimizer:
             return owner
     return None
+
+
+def adam_slots(optimizer, variable):
+    """`(momentum, velocity)`: a Keras `Adam` / `AdamW`'s two slot variables for `variable`.
+
+    kmix's fused Adam update (kmix/optimizers/fused_adam.py) hands them to
+    TensorFlow's `ResourceApplyAdam`. Keras keeps them in the private lists
+    `_momentums` / `_velocities`, indexed by its private `_get_variable_index`,
+    which its own `update_step` uses; no public name maps a variable to its slots.
+    """
+    index = optimizer._get_variable_index(variable)
+    return optimizer._momentums[index], optimizer._velocities[index]

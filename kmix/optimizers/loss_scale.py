@@ -9,7 +9,7 @@ from kmix._compat import (
     optimizer_variable_key,
     take_gradients_as_reduced,
 )
-from kmix.optimizers import accumulation, allreduce, arguments, counters, follow_model, replicas
+from kmix.optimizers import accumulation, allreduce, arguments, counters, follow_model, fused_adam, replicas
 from kmix.optimizers import master_weights as mw
 from kmix.optimizers import scale_rule, scaled_check, step_routes
 from kmix.optimizers.step_routes import unscale
@@ -90,6 +90,11 @@ class LossScaleOptimizer(
             states, anything a layer assigns in its forward pass) as the last
             applied step left them; see `track`. False: they keep what the
             skipped step's forward pass wrote (Keras's and torch's behaviour).
+        fused_update: True (the default): when `inner_optimizer` is exactly
+            `keras.optimizers.Adam` or `AdamW` without `amsgrad`, its dense
+            float32 updates run on TensorFlow's fused `ResourceApplyAdam`
+            kernel (the same arithmetic in one pass instead of a dozen; see
+            `kmix.optimizers.fused_adam`). False: Keras's own update.
         name: the optimizer's name.
 
     Example:
@@ -117,6 +122,7 @@ class LossScaleOptimizer(
         dynamic_growth_steps=None,
         allreduce_dtype=None,
         restore_on_skip=True,
+        fused_update=True,
         **kwargs,
     ):
         (initial_scale, growth_interval, growth_factor, backoff_factor, hysteresis, min_scale, max_scale,
@@ -147,6 +153,13 @@ class LossScaleOptimizer(
                 f"`restore_on_skip` must be True or False. Received: restore_on_skip={restore_on_skip!r}"
             )
         self.restore_on_skip = restore_on_skip
+        if not isinstance(fused_update, bool):
+            raise TypeError(f"`fused_update` must be True or False. Received: fused_update={fused_update!r}")
+        self.fused_update = fused_update
+        if fused_update:
+            fused_adam.install(inner_optimizer)
+        else:
+            fused_adam.remove(inner_optimizer)
         self._state_guard = None
         self._tracked_model = None
 
@@ -380,6 +393,7 @@ class LossScaleOptimizer(
             accumulation_steps=self.accumulation_steps,
             allreduce_dtype=self.allreduce_dtype,
             restore_on_skip=self.restore_on_skip,
+            fused_update=self.fused_update,
         )
         return config
 
