@@ -21,12 +21,13 @@ def test_configurations_in_table_order():
         ("mixed_bfloat16", "keras", "auto"),
         ("mixed_float16", "keras", "auto"),
         ("float32", "tf-rewrite", False),
+        ("float32", "kmix", "auto"),
         ("mixed_bfloat16", "kmix", "auto"),
         ("mixed_float16", "kmix", "auto"),
         ("mixed_bfloat16", "recommended", False),
     ]
     # Both compilations: every keras and kmix row twice, the rewrite and the recommendation once.
-    assert len(train.configurations(train.POLICIES, [False, True], _rec())) == 12
+    assert len(train.configurations(train.POLICIES, [False, True], _rec())) == 14
     assert train.configurations(["mixed_bfloat16"], [True]) == [("mixed_bfloat16", "keras", True),
                                                                ("mixed_bfloat16", "kmix", True)]
 
