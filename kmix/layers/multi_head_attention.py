@@ -172,6 +172,8 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             attention_scores.dtype,
             log=False,
             names={"logits": "attention_scores", **_NAMES},
+            # Scores in bfloat16 or float32 cannot overflow to -inf; float16 ones can.
+            infinite_logits=attention_scores.dtype == "float16",
         )
         in_range = getattr(self, "_kmix_mask_in_range", None)
         if in_range is not None:

@@ -101,8 +101,15 @@ def masked_log_softmax(logits, mask=None, bias=None, axis=-1, dtype=None):
     return _masked_softmax(logits, mask, bias, axis, dtype, log=True)
 
 
-def _masked_softmax(logits, mask, bias, axis, dtype, log, names=None):
-    """The shared body; `names` renames the arguments in error messages."""
+def _masked_softmax(logits, mask, bias, axis, dtype, log, names=None, infinite_logits=True):
+    """The shared body; `names` renames the arguments in error messages.
+
+    `infinite_logits=False` is the caller's word that no logit is `-inf`
+    (attention scores computed in bfloat16 or float32 from finite inputs:
+    they cannot overflow): rows with nothing kept are then found from the
+    mask alone and zeroed after the cast to the output dtype, two passes
+    fewer over the largest tensor of a transformer's forward pass.
+    """
     names = {"logits": "logits", "mask": "mask", "bias": "bias", **(names or {})}
     for name, value in (("logits", logits), ("mask", mask), ("bias", bias)):
         if keras.backend.is_keras_tensor(value):
@@ -152,10 +159,13 @@ def _masked_softmax(logits, mask, bias, axis, dtype, log, names=None):
 
     zero = tf.zeros([], compute_dtype)
     if not log and len(axes) == 1:
-        result = _fused_softmax(x, keep, axes[0])
+        if infinite_logits:
+            result = tf.cast(_fused_softmax(x, keep, axes[0]), out_dtype)
+        else:
+            result = _softmax_rows_from_mask(x, keep, axes[0], out_dtype)
         if mask_ok is not None:
-            result = tf.where(mask_ok, result, tf.constant(np.nan, compute_dtype))
-        return tf.cast(result, out_dtype)
+            result = tf.where(mask_ok, result, tf.constant(np.nan, out_dtype))
+        return result
     if keep is not None:
         # One select does both jobs: the max ignores masked positions, and exp(-inf - max)
         # is exactly 0 there, forward and backward (exp' = exp = 0, never 0 * inf).
@@ -213,6 +223,21 @@ def _fused_softmax(x, keep, axis):
         return probs, grad
 
     return softmax(x)
+
+
+def _softmax_rows_from_mask(x, keep, axis, out_dtype):
+    """The fused softmax for logits that hold no `-inf`; rows with nothing kept zeroed by the mask.
+
+    Masked positions take the lowest finite value, so every row stays finite
+    and `tf.nn.softmax`'s own gradient applies; a row the mask empties comes
+    out uniform and is replaced with zeros, in `out_dtype` (half the bytes
+    of float32 for a half output), which also zeroes its gradient.
+    """
+    if keep is None:
+        return tf.cast(tf.nn.softmax(x, axis=axis), out_dtype)
+    probs = tf.nn.softmax(tf.where(keep, x, tf.constant(x.dtype.min, x.dtype)), axis=axis)
+    row_kept = tf.reduce_any(keep, axis=axis, keepdims=True)
+    return tf.where(row_kept, tf.cast(probs, out_dtype), tf.zeros([], out_dtype))
 
 
 def keep_from_mask(mask, names=None):

@@ -116,20 +116,31 @@ def test_high_rank_attention_axes_equal_keras():
     np.testing.assert_allclose(ours(x, x, attention_mask=mask), theirs(x, x, attention_mask=mask), atol=2e-6)
 
 
+# float16 scores can overflow to -inf and take the full check; bfloat16 ones are zeroed from the mask.
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 @pytest.mark.parametrize("scores", [False, True], ids=["fused_path", "explicit_path"])
-def test_fully_masked_queries_attend_to_nothing_under_mixed_float16(scores):
-    keras.config.set_dtype_policy("mixed_float16")
+def test_fully_masked_queries_attend_to_nothing_under_half_policies(scores, policy):
+    keras.config.set_dtype_policy(policy)
     keras.utils.set_random_seed(3)
     layer = kmix.layers.MultiHeadAttention(num_heads=HEADS, key_dim=KEY_DIM)  # zero output bias
     keep = np.ones((B, T, S), bool)
     keep[:, 1] = False
-    result = layer(QUERY, VALUE, attention_mask=keep, return_attention_scores=scores)
-    out = result[0] if scores else result
-    assert out.dtype == tf.float16 and np.all(np.isfinite(out.numpy()))
-    np.testing.assert_array_equal(out.numpy()[:, 1], 0.0)  # zeros, not a mean over padding
-    assert np.all(np.abs(out.numpy()[:, 0]) > 0)
+    query = tf.constant(QUERY)
+    with tf.GradientTape() as tape:
+        tape.watch(query)
+        result = layer(query, VALUE, attention_mask=keep, return_attention_scores=scores)
+        out = result[0] if scores else result
+        loss = tf.reduce_sum(tf.cast(out, tf.float32) ** 2)
+    grads = tape.gradient(loss, [query] + layer.trainable_variables)
+    assert all(np.all(np.isfinite(tf.cast(g, tf.float32).numpy())) for g in grads)
+    # The masked query's output is 0 whatever its query: its gradient is exactly 0.
+    np.testing.assert_array_equal(grads[0].numpy()[:, 1], 0.0)
+    assert out.dtype == policy.split("_")[1] and np.all(np.isfinite(tf.cast(out, tf.float32).numpy()))
+    out = tf.cast(out, tf.float32).numpy()
+    np.testing.assert_array_equal(out[:, 1], 0.0)  # zeros, not a mean over padding
+    assert np.all(np.abs(out[:, 0]) > 0)
     if scores:
-        np.testing.assert_array_equal(result[1].numpy()[:, :, 1], 0.0)
+        np.testing.assert_array_equal(tf.cast(result[1], tf.float32).numpy()[:, :, 1], 0.0)
     # Keras's fused path spreads such a query uniformly over the masked keys.
     theirs = keras.layers.MultiHeadAttention(num_heads=HEADS, key_dim=KEY_DIM)
     theirs(QUERY, VALUE)
