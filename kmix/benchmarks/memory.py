@@ -188,6 +188,17 @@ def _mib(n):
     return f"{n / 2**20:.2f} MiB"
 
 
+_LEVEL_COLORS = {"float32": "tab:gray", "O1 (float32 parameters)": "tab:blue",
+                 "O2 (half parameters)": "tab:green"}
+
+
+def _level(name):
+    """The legend entry of a configuration's bar, from its name (`"O1 + remat"`, `"O2 kahan"`)."""
+    if name.startswith("O1"):
+        return "O1 (float32 parameters)"
+    return "O2 (half parameters)" if name.startswith("O2") else "float32"
+
+
 def plot(results, path, title):
     """Saves peak memory and step time per configuration, as ratios to float32, as a PNG bar chart."""
     import matplotlib
@@ -201,11 +212,14 @@ def plot(results, path, title):
     for ax, key, label in ((axes[0], "peak_bytes", "peak memory / float32"),
                            (axes[1], "step_seconds", "step time / float32")):
         values = [r[key] / base[key] for r in results]
-        bars = ax.bar(range(len(results)), values, color=["tab:gray"] + ["tab:blue"] * 4 + ["tab:green"] * 2)
+        bars = ax.bar(range(len(results)), values, color=[_LEVEL_COLORS[_level(n)] for n in names])
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(results)), names, rotation=30, ha="right", fontsize=8)
         ax.set(ylabel=label, ylim=(0, max(values) * 1.15))
+    handles = [matplotlib.patches.Patch(color=c, label=l) for l, c in _LEVEL_COLORS.items()
+               if any(_level(n) == l for n in names)]
+    axes[0].legend(handles=handles, fontsize=8, loc="upper right")
     axes[0].set_title("peak memory of one optimizer step")
     axes[1].set_title("time of one optimizer step")
     fig.suptitle(title, fontsize=9)
