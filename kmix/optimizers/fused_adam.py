@@ -9,7 +9,7 @@ The update is a fixed cost of every step whatever the compute dtype, so in a
 bfloat16 step, whose matmuls run twice as fast, it is a larger share; and
 behind `kmix.LossScaleOptimizer`, which applies only once every gradient is
 known to be finite, it cannot overlap the backward pass. On the GPT of
-`python -m kmix bench train` (a 2-core Xeon, bfloat16) the step is about 6%
+`python -m kmix bench train` (a 2-core Xeon, bfloat16) the step is about 7%
 faster with it (docs/benchmarks.md).
 
 `install(optimizer)` gives an optimizer whose class is exactly
