@@ -157,7 +157,6 @@ def _masked_softmax(logits, mask, bias, axis, dtype, log, names=None, infinite_l
         finite_below = tf.not_equal(x, tf.constant(-np.inf, compute_dtype))
         keep = finite_below if keep is None else tf.logical_and(keep, finite_below)
 
-    zero = tf.zeros([], compute_dtype)
     if not log and len(axes) == 1:
         if infinite_logits:
             result = tf.cast(_fused_softmax(x, keep, axes[0]), out_dtype)
@@ -166,6 +165,7 @@ def _masked_softmax(logits, mask, bias, axis, dtype, log, names=None, infinite_l
         if mask_ok is not None:
             result = tf.where(mask_ok, result, tf.constant(np.nan, out_dtype))
         return result
+    zero = tf.zeros([], compute_dtype)
     if keep is not None:
         # One select does both jobs: the max ignores masked positions, and exp(-inf - max)
         # is exactly 0 there, forward and backward (exp' = exp = 0, never 0 * inf).
@@ -236,6 +236,8 @@ def _softmax_rows_from_mask(x, keep, axis, out_dtype):
     if keep is None:
         return tf.cast(tf.nn.softmax(x, axis=axis), out_dtype)
     probs = tf.nn.softmax(tf.where(keep, x, tf.constant(x.dtype.min, x.dtype)), axis=axis)
+    for _ in range(x.shape.rank - keep.shape.rank):  # a broadcast mask: `axis` counts in `x`'s rank
+        keep = keep[None]
     row_kept = tf.reduce_any(keep, axis=axis, keepdims=True)
     return tf.where(row_kept, tf.cast(probs, out_dtype), tf.zeros([], out_dtype))
 

@@ -379,3 +379,25 @@ def test_keep_mask_as_bias_warns_pointing_to_mask():
         warnings.simplefilter("error")
         kmix.ops.masked_softmax(x, bias=bias)  # a real bias: no warning
         kmix.ops.masked_softmax(x, bias=np.zeros(SHAPE))  # all zeros: nothing to say
+
+
+@pytest.mark.parametrize("mask_shape", [(4, 9), (9,), (3, 4, 1)], ids=["rows", "keys", "per_row"])
+def test_rows_from_mask_path_equals_the_full_check(mask_shape):
+    """What kmix's attention takes for scores that hold no -inf: the same values and gradients."""
+    from kmix.ops.softmax import _masked_softmax
+
+    logits = tf.constant(RNG.normal(scale=3, size=SHAPE), tf.float32)
+    mask = RNG.random(mask_shape) > 0.4
+    mask.reshape(-1, mask_shape[-1])[0] = False  # one row (or every row: per_row) with nothing kept
+    upstream = tf.constant(RNG.normal(size=SHAPE), tf.float32)
+    results = []
+    for infinite_logits in (True, False):
+        with tf.GradientTape() as tape:
+            tape.watch(logits)
+            out = _masked_softmax(logits, mask, None, -1, "bfloat16", log=False, infinite_logits=infinite_logits)
+            loss = tf.reduce_sum(tf.cast(out, tf.float32) * upstream)
+        results.append((tf.cast(out, tf.float32).numpy(), tape.gradient(loss, logits).numpy()))
+    (out_full, grad_full), (out_rows, grad_rows) = results
+    np.testing.assert_array_equal(out_rows, out_full)
+    np.testing.assert_allclose(grad_rows, grad_full, atol=1e-6)
+    assert np.all(np.isfinite(grad_rows)) and np.all(grad_rows[~np.broadcast_to(mask, SHAPE)] == 0)
