@@ -73,7 +73,7 @@ def is_installed(optimizer):
 
 def _fused_update_step(optimizer, gradient, variable, learning_rate):
     """Keras's `Adam.update_step`, on `ResourceApplyAdam` where the kernel applies."""
-    tf_variable = variable.value if isinstance(variable, keras.Variable) else variable
+    tf_variable = _tf_variable(variable)
     if isinstance(gradient, tf.IndexedSlices) or tf_variable.dtype not in _FUSED_DTYPES:
         return type(optimizer).update_step(optimizer, gradient, variable, learning_rate)
     dtype = tf_variable.dtype
@@ -83,8 +83,8 @@ def _fused_update_step(optimizer, gradient, variable, learning_rate):
     local_step = tf.cast(optimizer.iterations + 1, dtype)
     tf.raw_ops.ResourceApplyAdam(
         var=tf_variable.handle,
-        m=_handle(momentum),
-        v=_handle(velocity),
+        m=_tf_variable(momentum).handle,
+        v=_tf_variable(velocity).handle,
         beta1_power=tf.pow(beta_1, local_step),
         beta2_power=tf.pow(beta_2, local_step),
         lr=tf.cast(learning_rate, dtype),
@@ -96,6 +96,6 @@ def _fused_update_step(optimizer, gradient, variable, learning_rate):
     )
 
 
-def _handle(variable):
-    variable = variable.value if isinstance(variable, keras.Variable) else variable
-    return variable.handle
+def _tf_variable(variable):
+    """The `tf.Variable` behind a Keras variable (Keras hands `update_step` either)."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
