@@ -18,15 +18,8 @@ if _startup.launched_as_command():
 from kmix import callbacks, distribute, layers, ops, schedules  # noqa: E402
 from kmix.diagnose import Diagnosis, diagnose  # noqa: E402
 from kmix.optimizers import LossScaleOptimizer, wrap  # noqa: E402
-from kmix.policy import (  # noqa: E402
-    Policy,
-    active_policy,
-    autocast,
-    memory_report,
-    policy_map,
-    policy_scope,
-    set_policy,
-)
+from kmix.placing import autocast  # noqa: E402
+from kmix.policy import Policy, active_policy, memory_report, policy_scope, set_policy  # noqa: E402
 from kmix.recommendation import Recommendation, recommend  # noqa: E402
 
 __all__ = [
@@ -43,7 +36,6 @@ __all__ = [
     "layers",
     "memory_report",
     "ops",
-    "policy_map",
     "policy_scope",
     "recommend",
     "schedules",

@@ -31,6 +31,33 @@ def sublayers(layer):
     return layer._flatten_layers(include_self=False, recursive=False)
 
 
+def recast_variable(variable, dtype):
+    """Gives a Keras variable new storage of `dtype`, holding its value cast: the same object.
+
+    `kmix.autocast` under a half-parameter policy (O2, O3) changes the dtype
+    of the user's own variables in place, so that every reference to them (a
+    layer's attribute, a user's handle, LoRA's) stays valid. Keras variables
+    have no public way to change their dtype; on TensorFlow a Keras variable
+    keeps its dtype in `_dtype` and its storage in a `tf.Variable` made by
+    `_initialize`.
+    """
+    import keras
+
+    value = tf.cast(variable._value, dtype)
+    variable._dtype = keras.backend.standardize_dtype(dtype)
+    variable._initialize(value)
+
+
+def built_input_shapes(layer):
+    """The input shapes a subclassed model or layer was built with (`{"x_shape": (2, 4)}`), or None.
+
+    Keras records them when a layer is built by its first call, for
+    `get_build_config`, in the private `_build_shapes_dict`; a subclassed
+    model has no public `inputs` to trace it on otherwise.
+    """
+    return getattr(layer, "_build_shapes_dict", None)
+
+
 def no_automatic_dependency_tracking(fn):
     """Keras's decorator that stops attribute assignment from tracking variables.
 

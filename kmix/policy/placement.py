@@ -1,11 +1,11 @@
-"""Where each layer of a model runs: the opt levels' allow/deny lists, and `policy_map`.
+"""Where each layer of a model runs: the opt levels' allow/deny lists (the plan of `kmix.autocast`).
 
 The rules are those of Apex O1 and `torch.autocast`: matmuls, convolutions,
 embeddings and attention projections run in the half compute dtype;
 normalization layers, softmax / log-softmax and the layers producing the
 model's outputs stay in float32. They are applied to every layer of a model,
-layers nested in other layers and models included, by `kmix.autocast` and by
-`kmix.policy_map` (the route for subclassed models).
+layers nested in other layers and models included. `Rules.plan` is pure: it
+reads the model and changes nothing (`kmix.placing` places the plan).
 """
 
 import re
@@ -147,11 +147,17 @@ class Rules:
         self.half_compute = policy.compute_dtype != "float32"
         self.pure = policy.params_dtype != "float32" and not policy.needs_master_weights
 
-    def plan(self, model):
+    def plan(self, model, outputs=None):
         """`[(path, layer, keras_policy_name_or_None, reason)]` for every layer of `model`.
 
         `None` means "keep the layer's own policy" (inside a `WithPolicy`, or a
-        weightless layer a block created).
+        weightless layer a block made with a dtype other than its own).
+
+        Args:
+            model: a built model.
+            outputs: the ids of the layers producing the model's outputs, for a
+                model whose graph is not known (a subclassed model: see
+                `kmix.placing.trace`); read from the graph otherwise.
         """
         from kmix.layers import WithPolicy
 
@@ -159,7 +165,8 @@ class Rules:
         self._check_names(model, rows)
         kept = _subtree_ids([layer for _, layer, _ in rows if isinstance(layer, WithPolicy)])
         named = _subtree_ids([layer for path, layer, _ in rows if layer.name in self.names or path in self.names])
-        outputs = _output_layers(model)
+        outputs = _output_layers(model) if outputs is None else set(outputs)
+        planned = {}  # id(layer) -> the policy name planned for it (a block's, for its sublayers)
         plan = []
         for path, layer, parent in rows:
             if id(layer) in kept:
@@ -167,59 +174,27 @@ class Rules:
             else:
                 in_block = not is_graph_model(parent)
                 dtype, reason = self._place(layer, id(layer) in named, id(layer) in outputs, in_block)
+                if dtype is _FOLLOW:
+                    dtype, reason = _follow_block(layer, parent, planned)
+            planned[id(layer)] = dtype
             plan.append((path, layer, dtype, reason))
         return plan
-
-    def dtype_map(self, model, plan, copy_layers=None):
-        """The `DTypePolicyMap` of `plan` (from `self.plan(model)`): an entry per layer placed off the default.
-
-        Layers without variables have entries too: a float32 layer's constants
-        (a `Normalization`'s mean) are cast to its compute dtype when it is built.
-
-        A layer's path depends on how the model was built, not only on the
-        layer (a Sequential built from `keras.Input` or from its config; a
-        block built inside a wrapper's call or before it): each entry is keyed
-        by its path without the model's name and with it, and `copy_layers`,
-        the layers of a copy of `model` in `plan`'s order, adds the paths they
-        have there. Keys are exact paths, never broad patterns: a pattern could
-        place a layer of the same name elsewhere. The one pattern: a layer a
-        block creates without a name is named by Keras's counter
-        (`t5_layer_norm_4`), which runs on in every copy and reload
-        (`t5_layer_norm_24`), so it is keyed by its block's path and its class's
-        name with any counter (`_auto_name_keys`).
-        """
-        prefix = f"{model.name}/"
-        entries = {}
-        copy_layers = copy_layers or [None] * len(plan)
-        for (_, layer, dtype, _), copy in zip(plan, copy_layers):
-            if dtype is None or dtype == self.default.name:
-                continue
-            for path in (layer.path, getattr(copy, "path", None)):
-                if path:
-                    entries.setdefault(path[len(prefix):] if path.startswith(prefix) else path, dtype)
-        dtype_map = keras.dtype_policies.DTypePolicyMap(default_policy=self.default)
-        for relative, dtype in entries.items():
-            for key in (relative, prefix + relative):
-                if key not in dtype_map:
-                    dtype_map[key] = keras.DTypePolicy(dtype)
-        for key, dtype in _auto_name_keys(plan, prefix, self.default.name):
-            dtype_map[key] = keras.DTypePolicy(dtype)
-        return dtype_map
 
     def _place(self, layer, named, output, in_block):
         """The Keras policy name and the reason; `in_block`: created inside a layer, not a graph."""
         half = self.default.name
         if named or isinstance(layer, self.classes):
             return "float32", "float32_layers"
+        if is_graph_model(layer):
+            return None, "a nested model: its layers are placed"
         if not self.half_compute:
             return half, "float32 policy"
         if self.pure:
             return half, "pure half policy"
         if in_block and not layer.weights:
-            # A block creates its weightless sublayers itself when it is built or loaded (keras-hub's
-            # Llama attention makes its softmax float32): a placement of ours would not survive
-            # `model.save`, so they stay as the block made them.
-            return None, "in a block: as the block made it"
+            # A block creates its weightless sublayers itself, with its own dtype, when it is built
+            # or loaded: they follow their block, as a reload makes them.
+            return _FOLLOW, None
         if output and self.policy.output_dtype == "float32":
             if any(True for _ in walk(layer)):
                 # Inside, a block adds and multiplies raw tensors, which must share one dtype.
@@ -247,37 +222,22 @@ class Rules:
             )
 
 
-def policy_map(model, policy="O1", float32_layers=None):
-    """A `keras.dtype_policies.DTypePolicyMap` that gives `model`'s layers `policy`'s placement.
+_FOLLOW = object()  # `_place`'s answer for a weightless layer inside a block
 
-    The route for models `kmix.autocast` cannot rebuild (a subclassed model
-    with its own `call`), and for keras-hub backbones, which accept a policy
-    map as their `dtype`. The map is keyed by layer path: build a fresh
-    instance of the model with the map as the global dtype policy (or as its
-    `dtype`), and its layers take the placement as they create their
-    variables (layers without variables, as they are built).
 
-    Args:
-        model: a built model (any kind), named as the model you will build
-            and with its layers named alike: the map is keyed by layer path,
-            which starts with a subclassed model's name.
-        policy: anything `kmix.Policy` accepts; `"O1"` by default.
-        float32_layers: layer classes and/or layer names to keep in float32.
+def _follow_block(layer, block, planned):
+    """The policy of a weightless layer inside `block`: the block's, if the block gave it its own.
 
-    Returns:
-        A `DTypePolicyMap` whose default is `policy.to_keras()`, with an
-        entry for each layer with variables that the rules place elsewhere.
-
-    Example:
-
-    >>> template = MyModel(name="net"); template(x)                # float32
-    >>> keras.config.set_dtype_policy(kmix.policy_map(template, "O2"))
-    >>> model = MyModel(name="net"); model(x)                      # float32 norms, half dense
-    >>> keras.config.set_dtype_policy("float32")
-    >>> model.set_weights(template.get_weights())
+    A block passes its dtype to the layers it creates (`dtype=self.dtype_policy`),
+    and a reload re-creates them so. One created with a dtype of its own
+    (keras-hub's Llama attention makes its softmax float32) keeps it.
     """
-    rules = Rules(Policy(policy), float32_layers)
-    return rules.dtype_map(model, rules.plan(model))
+    if resolved_policy(layer).name != resolved_policy(block).name:
+        return None, "in a block: a dtype of its own, kept"
+    dtype = planned.get(id(block))
+    if dtype is None:
+        return None, "in a block: as its block"
+    return dtype, "in a block: follows it"
 
 
 def _split_float32_layers(float32_layers):
@@ -342,47 +302,6 @@ def _is_normalization(layer):
     return isinstance(layer, _NORMALIZATION) or "Norm" in type(layer).__name__
 
 
-def _auto_name_keys(plan, prefix, default):
-    """`(pattern, policy name)` for the layers of `plan` that Keras named by its counter.
-
-    A block's sublayer made without `name=` is called `<class in snake case>` or
-    `<...>_<n>`, n counting every layer of that class made in the process, so a
-    copy's names differ from the model's. The pattern keeps the block's path
-    exact and lets the counter vary: `encoder_layer_0/t5_layer_norm(?:_\\d+)?`.
-    It is given only where every layer it covers in `model` has one placement
-    (then no two keys can match one path), and only off the default.
-    """
-    found = {}  # pattern -> policy names of the layers it covers
-    for _, layer, dtype, _ in plan:
-        path = layer.path or ""
-        parent = path.rpartition("/")[0]
-        if dtype is None or not parent or not is_auto_named(layer):
-            continue
-        base = _snake_case(type(layer).__name__)
-        if parent.startswith(prefix):
-            parent = parent[len(prefix):]
-        found.setdefault(f"{re.escape(parent)}/{re.escape(base)}(?:_\\d+)?", set()).add(dtype)
-    keys = []
-    for pattern, dtypes in found.items():
-        if len(dtypes) == 1 and dtypes != {default}:
-            keys += [(pattern, *dtypes), (re.escape(prefix) + pattern, *dtypes)]
-    return keys
-
-
-def is_auto_named(layer):
-    """Whether Keras named `layer` by its counter (made without `name=`): `t5_layer_norm_4`."""
-    if layer is None:
-        return False
-    return re.fullmatch(re.escape(_snake_case(type(layer).__name__)) + r"(_\d+)?", layer.name) is not None
-
-
-def _snake_case(class_name):
-    """The name Keras gives an unnamed layer of `class_name` before its counter (`T5LayerNorm` -> `t5_layer_norm`)."""
-    name = re.sub(r"\W+", "", class_name)
-    name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
-    return re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()
-
-
 def _place_normalization(layer, half):
     """A norm a block created: float32 statistics whatever it is, the block's dtype out where it can.
 
@@ -409,3 +328,17 @@ def _activation_name(layer):
     if isinstance(activation, str):
         return activation
     return getattr(activation, "__name__", None)
+
+
+def is_auto_named(layer):
+    """Whether Keras named `layer` by its counter (made without `name=`): `t5_layer_norm_4`."""
+    if layer is None:
+        return False
+    return re.fullmatch(re.escape(snake_case(type(layer).__name__)) + r"(_\d+)?", layer.name) is not None
+
+
+def snake_case(class_name):
+    """The name Keras gives an unnamed layer of `class_name` before its counter (`T5LayerNorm` -> `t5_layer_norm`)."""
+    name = re.sub(r"\W+", "", class_name)
+    name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()

@@ -1,4 +1,4 @@
-"""`kmix.autocast(model, level, sample=(x, y))`: the placement a diagnosis of one batch advises.
+"""The float32 islands a diagnosis of one batch advises: plain data for `kmix.autocast(sample=...)`.
 
 `kmix.diagnose` runs the float32 model on the batch, then every layer in the
 level's half dtype, and names the layers to keep in float32 (their outputs
@@ -11,22 +11,19 @@ so the diagnosis runs again with what it found kept in float32:
 targets = {}
 repeat (at most ROUNDS times):
     d = kmix.diagnose(model, x, y, policy, float32_layers=targets)
-    new = what d names (a block whose inside a policy map cannot reach: the layers in it at fault)
+    new = what d names (a block whose inside a reload cannot reach: the layers in it at fault)
     stop if nothing is new or nothing is non-finite;  targets += new
 ```
 
-`autocast` adds the targets to `float32_layers`, says why in its table,
-checks the copy on the sample, and records the scale for the copy's
-variables (`kmix.policy.advice`), where `kmix.wrap` finds it when the
-optimizer is built.
+`advise` hands back the targets (layer names or paths to keep in float32)
+and the scale; `kmix.autocast` places them before anything runs in half.
 """
-
-import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from kmix.diagnose.core import diagnose
 from kmix.policy.placement import is_auto_named, walk
 
 ROUNDS = 4  # diagnoses at most, each keeping in float32 what the ones before found
@@ -42,35 +39,12 @@ class Advice:
 
     Attributes:
         targets: `{layer name or path: the finding}` to keep in float32.
-        skipped: `{block name: the finding}` advised as a whole but left
-            half, because a policy map cannot reach every layer inside it.
         initial_scale: the advised initial loss scale, or None.
-        x: the sample's inputs, to check the copy on.
+        x: the sample's inputs, to check the placed model on.
     """
 
-    def __init__(self, targets, skipped, initial_scale, x):
-        self.targets, self.skipped, self.initial_scale, self.x = targets, skipped, initial_scale, x
-
-    def finish(self, copy, table, given):
-        """Says in `table`'s `why` which rows the sample placed; warns if `copy` is non-finite on it."""
-        explain(table, self.targets, given)
-        outputs = keras.tree.flatten(copy(self.x, training=False))
-        if all(np.all(np.isfinite(keras.ops.convert_to_numpy(o))) for o in outputs):
-            return table
-        skipped = "".join(f"; {name} ({why}) was advised whole but stays half: {_UNREACHABLE}"
-                          for name, why in self.skipped.items())
-        warnings.warn(
-            f"kmix.autocast(sample=...): the copy's outputs on the sample are still non-finite "
-            f"after keeping {sorted(self.targets)} in float32{skipped}. Run "
-            "`print(kmix.diagnose(model, x, y, policy, float32_layers=[...]))` with those layers "
-            "to see what fails next, or train in bfloat16.",
-            stacklevel=3,
-        )
-        return table
-
-
-_UNREACHABLE = ("a layer it builds without variables in its constructor (a Dropout) has no path "
-                "for the policy map, so the block's raw `+` would mix float32 and half")
+    def __init__(self, targets, initial_scale, x):
+        self.targets, self.initial_scale, self.x = targets, initial_scale, x
 
 
 def advise(model, policy, sample):
@@ -92,41 +66,34 @@ def advise(model, policy, sample):
             + " For example `model.compile(optimizer='adam', loss=...)`, then "
             "`kmix.autocast(model, level, sample=(x, y))`."
         )
-    from kmix.diagnose import diagnose  # kmix.diagnose imports kmix.policy
-
     if isinstance(x, tf.data.Dataset):
         args = dict(x=x, y=None, batches=1)
         x = keras.utils.unpack_x_y_sample_weight(next(iter(x)))[0]
     else:
         args = dict(x=x, y=y, batches=1, batch_size=_length(x))
-    targets, skipped, scale = {}, {}, None
+    targets, scale = {}, None
     for _ in range(ROUNDS):
         try:
             diagnosis = diagnose(model, policy=policy, float32_layers=list(targets) or None, **args)
         except (TypeError, ValueError) as e:
             raise type(e)(f"`sample` could not be diagnosed: {e}") from e
         scale = diagnosis.recommended_scale if scale is None else scale
-        found, unplaceable = _targets(model, diagnosis)
-        skipped.update(unplaceable)
-        found = {t: why for t, why in found.items() if t not in targets}
+        found = {t: why for t, why in _targets(model, diagnosis).items() if t not in targets}
         if not found or diagnosis.first_nonfinite_layer is None:
             targets.update(found)
             break
         targets.update(found)
-    return Advice(targets, skipped, scale, x)
+    return Advice(targets, scale, x)
 
 
 def _targets(model, diagnosis):
-    """What to keep in float32, and what is advised but cannot be: `(targets, skipped)`.
+    """`{layer name or path: the finding}` to keep in float32.
 
     The diagnosis names the outermost layer a user can address (a keras-hub
-    block). A whole block is kept float32 when every layer in it can be
-    placed: a layer that the block builds in its constructor without
-    variables (a `Dropout`) has no path for the policy map to reach, keeps
-    the block's half dtype after `load_model`, and would hand a float32
-    block's raw `x + residual` a half tensor. Such a block stays half, and
-    the layers inside it where the diagnosis found the cause are kept
-    float32 instead, by path (T5: the attentions that build `-1e9` masks).
+    block). Where it found the cause on layers inside that block which keep
+    their names in a reload (T5: the attentions that build `-1e9` masks),
+    those layers are kept float32, by path, and the rest of the block stays
+    half; otherwise the whole block is.
     """
     by_path = {path: layer for path, layer, _ in walk(model)}
     causes = {}  # diagnosis row path -> (its target name, the cause it names)
@@ -134,24 +101,17 @@ def _targets(model, diagnosis):
         words = [w for w in row.verdict.split(", ") if w not in _NOT_A_CAUSE]
         if words:
             causes[row.path] = (row.target, words[-1])
-    targets, skipped = {}, {}
+    targets = {}
     for name in diagnosis.float32_layers:
         block_path = next((p for p, layer in by_path.items() if layer.name == name), None)
         flagged = [(p, cause) for p, (target, cause) in causes.items() if target == name]
-        whole = block_path is None or _placeable(by_path[block_path])
         inner = [(p, cause) for p, cause in flagged if p != block_path and _addressable(by_path, block_path, p)]
-        if not whole and inner:
+        if inner:
             targets.update(inner)
             continue
         p, cause = flagged[0] if flagged else (None, "overflows")
-        finding = cause if p in (None, block_path) else f"{cause} at {p}"
-        (targets if whole else skipped)[name] = finding
-    return targets, skipped
-
-
-def _placeable(block):
-    """Whether the policy map reaches every layer inside `block` (each has a path once built)."""
-    return all(layer.path is not None for _, layer, _ in walk(block))
+        targets[name] = cause if p in (None, block_path) else f"{cause} at {p}"
+    return targets
 
 
 def _addressable(by_path, block_path, path):
@@ -164,31 +124,6 @@ def _addressable(by_path, block_path, path):
         "/".join(parts[: i + 1]) in by_path and not is_auto_named(by_path["/".join(parts[: i + 1])])
         for i in range(start, len(parts))
     )
-
-
-def explain(table, targets, given):
-    """`table` with the `why` of the rows `targets` put in float32: `sample: <finding>`.
-
-    Args:
-        table: `autocast`'s `AutocastTable`.
-        targets: `Advice.targets`.
-        given: the user's own `float32_layers`; their rows keep "float32_layers".
-    """
-    given = {item for item in _as_list(given) if isinstance(item, str)}
-    for i, row in enumerate(table):
-        if not row.reason.startswith("float32_layers"):
-            continue
-        parts = row.layer.split("/")
-        for target, finding in targets.items():
-            if target in given:
-                continue
-            own = row.layer == target or ("/" not in target and parts[-1] == target)
-            inside = row.layer.startswith(target + "/") if "/" in target else target in parts[:-1]
-            if own or inside:
-                why = f"sample: {finding}" if own else f"sample: in {target}"
-                table[i] = row._replace(reason=why + row.reason[len("float32_layers"):])
-                break
-    return table
 
 
 def check_sample(sample):
@@ -215,11 +150,11 @@ def merge(float32_layers, names):
     """`float32_layers` (None, a class, a name, or a list of them) with `names` added."""
     if not names:
         return float32_layers
-    given = _as_list(float32_layers)
+    given = as_list(float32_layers)
     return given + [name for name in names if name not in given]
 
 
-def _as_list(float32_layers):
+def as_list(float32_layers):
     if float32_layers is None:
         return []
     if isinstance(float32_layers, (str, type)):
@@ -237,3 +172,4 @@ def _length(x):
 def _short(value):
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+

@@ -1,0 +1,106 @@
+"""Placing a plan on the model itself: each layer's own policy, the safe classes, the variables' dtype.
+
+Keras 3 layers take a new `dtype_policy` in place (a settable property). For
+policies whose variables stay float32 (O1, `mixed_float16`, `mixed_bfloat16`)
+only the compute dtype changes: the variables, the optimizer's references to
+them and the user's handles on the layers are untouched, as with Apex's
+`amp.initialize`. Under half-parameter policies (O2, O3) a layer's float
+variables are recast to the half dtype in place (the same `keras.Variable`
+objects, new storage), which is safe while no optimizer holds state for them
+and they were not made under a `tf.distribute` strategy (`recast_blocker`).
+"""
+
+import keras
+import tensorflow as tf
+
+from kmix import _compat
+from kmix.policy.placement import own_weights, resolved_policy, safe_replacements
+
+
+def place(plan):
+    """Sets the policy `plan` gives each layer on the layer itself; swaps in kmix's safe classes.
+
+    Args:
+        plan: `Rules.plan(model)` rows `(path, layer, policy name or None, reason)`;
+            parents come before the layers inside them.
+    """
+    swaps = safe_replacements()
+    for _, layer, dtype, reason in plan:
+        if dtype is None:
+            continue
+        if reason == "kmix safe layer" and type(layer) in swaps:
+            swap_class(layer, swaps[type(layer)])
+        set_policy(layer, dtype)
+
+
+def set_policy(layer, dtype):
+    """Gives `layer` the Keras policy `dtype`: its compute dtype, its float variables and constants.
+
+    A float variable in the layer's old variable dtype takes the new one (a
+    variable the layer made in a fixed dtype of its own keeps it); a float
+    tensor the layer holds as an attribute in its old compute dtype (a
+    `Normalization`'s mean, made when it was built) is cast to the new one,
+    as building the layer under the new policy would have made it.
+    """
+    old, new = resolved_policy(layer), keras.DTypePolicy(dtype)
+    if old.name == new.name:
+        return
+    if old.variable_dtype != new.variable_dtype:
+        for variable in own_weights(layer):
+            if keras.backend.standardize_dtype(variable.dtype) == old.variable_dtype:
+                _compat.recast_variable(variable, new.variable_dtype)
+    layer.dtype_policy = new
+    if old.compute_dtype != new.compute_dtype:
+        for name, value in list(vars(layer).items()):
+            if _is_constant(value) and keras.backend.standardize_dtype(value.dtype) == old.compute_dtype:
+                setattr(layer, name, keras.ops.cast(value, new.compute_dtype))
+
+
+def swap_class(layer, new_cls):
+    """Makes a Keras `Softmax` / `MultiHeadAttention` a kmix one: the same object, weights and config.
+
+    kmix's classes subclass Keras's and add no state but `Softmax`'s
+    `output_dtype` (None: the compute dtype) and its `autocast=False` (its
+    float32 arithmetic reads half inputs as they are).
+    """
+    layer.__class__ = new_cls
+    if isinstance(layer, keras.layers.Softmax):
+        layer.output_dtype, layer.autocast = None, False
+
+
+def recast_blocker(model, plan):
+    """Why `plan` cannot recast `model`'s variables in place, or None when it can (or needs not).
+
+    A built optimizer holds slots made for the old dtype, and variables made
+    under a `tf.distribute` strategy are mirrored per replica: replacing
+    their storage would leave those behind.
+    """
+    changes = [
+        layer for _, layer, dtype, _ in plan
+        if dtype is not None and own_weights(layer)
+        and keras.DTypePolicy(dtype).variable_dtype != resolved_policy(layer).variable_dtype
+    ]
+    if not changes:
+        return None
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and getattr(optimizer, "built", False) and optimizer.variables:
+        return f"its optimizer {type(optimizer).__name__} is built and holds state for the float32 variables"
+    if _compat.model_distribute_strategy(model) is not None:
+        return "its variables were made under a tf.distribute strategy (one copy per replica)"
+    return None
+
+
+def reset_compiled_functions(model):
+    """Drops the train / test / predict functions Keras compiled for the old placement."""
+    for name in ("train_function", "test_function", "predict_function"):
+        if hasattr(model, name):
+            setattr(model, name, None)
+
+
+def _is_constant(value):
+    return (
+        keras.ops.is_tensor(value)
+        and not isinstance(value, keras.Variable)
+        and not isinstance(value, tf.Variable)
+        and keras.backend.is_float_dtype(keras.backend.standardize_dtype(value.dtype))
+    )

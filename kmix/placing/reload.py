@@ -1,0 +1,183 @@
+"""What `keras.models.load_model` would make of a placed model, and making it the same.
+
+A saved model keeps each layer's policy in that layer's config: a
+Sequential or functional model lists its layers' configs, so a reload gives
+each its own policy back. A block (a custom layer, a keras-hub transformer
+layer) and a keras-hub backbone re-create their sublayers in their
+constructor, with their own dtype: a reload gives those sublayers the
+block's policy, whatever they had in memory. The check builds the model
+from its config, as `load_model` does (under the global policy of the
+moment, no weights loaded), and compares each layer. Where a block re-creates
+a layer differently, the block (and the blocks around it, up to one whose
+own config is saved) gets a `keras.dtype_policies.DTypePolicyMap` holding
+every layer's policy by path, which Keras's layers and keras-hub's look
+their policy up in as they are created (the mechanism keras-hub uses for
+quantized layers). What still differs is reported.
+"""
+
+import os
+import re
+import tempfile
+
+import keras
+
+from kmix.policy.placement import is_auto_named, own_weights, resolved_policy, saved_layers, snake_case, walk
+
+
+def reloaded(model):
+    """`model` built from its config as `load_model` builds it (no weights), or the error why not."""
+    config = keras.saving.serialize_keras_object(model)
+    config.pop("compile_config", None)
+    try:
+        with keras.saving.custom_object_scope(user_classes(model)):
+            # safe_mode=False: a Lambda's function is the user's own, from this process.
+            return keras.saving.deserialize_keras_object(config, safe_mode=False), None
+    except Exception as e:  # noqa: BLE001  any failure here is reported, never raised from autocast
+        return None, e
+
+
+def differences(model, copy):
+    """`{id(layer): (layer, path, in memory, after a reload)}` for each layer a reload places otherwise.
+
+    The model itself is compared too (its policy sets the autocast scope of
+    its call). Layers are matched by position in `walk` when both have as
+    many, else by path.
+    """
+    ours = [(model.name, model, None)] + list(walk(model))  # the model's own policy counts too
+    theirs = [(copy.name, copy, None)] + list(walk(copy))
+    if len(ours) == len(theirs):
+        pairs = [(a, b) for a, b in zip(ours, theirs)]
+    else:
+        by_path = {_relative(layer.path or path, copy): (path, layer, parent) for path, layer, parent in theirs}
+        pairs = [(row, by_path.get(_relative(row[1].path or row[0], model))) for row in ours]
+    found = {}
+    for (path, layer, _), other in pairs:
+        mine = describe(layer)
+        got = describe(other[1]) if other is not None else "no such layer"
+        if mine != got:
+            found[id(layer)] = (layer, path, mine, got, other[1] if other is not None else None)
+    return found
+
+
+def describe(layer):
+    """`(class, compute dtype, variable dtype, own weights' dtypes)`: what a reload must keep.
+
+    The dtypes as a set: a reload may hold fewer variables of the same dtypes
+    (Keras saves a LoRA-enabled layer with its low-rank update merged).
+    """
+    weights = tuple(sorted({keras.backend.standardize_dtype(v.dtype) for v in own_weights(layer)}))
+    return (type(layer).__name__, layer.compute_dtype, layer.variable_dtype, weights)
+
+
+def record(model, found, copy):
+    """Gives the blocks that re-create the layers in `found` a policy map of the whole placement.
+
+    Returns:
+        The number of blocks (and non-listing models) given a map.
+    """
+    listed = saved_layers(model)
+    parents = {id(layer): parent for _, layer, parent in walk(model)}
+    holders = {}
+    for layer, *_ in found.values():
+        if id(layer) in listed or layer is model:
+            continue  # its own config is saved: no block re-creates it
+        block = parents[id(layer)]
+        while True:  # up to the first block whose own config is saved, or the model
+            holders[id(block)] = block
+            if block is model or id(block) in listed:
+                break
+            block = parents[id(block)]
+    if not holders:
+        return 0
+    entries = _entries(model, copy)
+    for block in holders.values():
+        if isinstance(block.dtype_policy, keras.dtype_policies.DTypePolicyMap):
+            continue  # a map of the user's: the placement was written into it, layer by layer
+        dtype_map = keras.dtype_policies.DTypePolicyMap(default_policy=_default(model))
+        for path, policy in entries.items():
+            dtype_map[path] = policy
+        if block.path and block.path not in dtype_map:
+            dtype_map[block.path] = resolved_policy(block)
+        block.dtype_policy = dtype_map
+    return len(holders)
+
+
+def _entries(model, copy):
+    """`{key: policy}` for every layer: its path in memory and in `copy`, a pattern for auto-named ones.
+
+    A layer a block makes without `name=` is named by Keras's counter
+    (`t5_layer_norm_4`), which runs on in every reload (`t5_layer_norm_24`):
+    it is keyed by its block's path and its class's name with any counter,
+    where every layer that pattern covers has one policy.
+    """
+    ours, theirs = list(walk(model)), list(walk(copy))
+    twins = [row[1] for row in theirs] if len(theirs) == len(ours) else [None] * len(ours)
+    entries, patterns = {}, {}
+    for (_, layer, _), twin in zip(ours, twins):
+        policy = resolved_policy(layer)
+        paths = [p for p in (layer.path, getattr(twin, "path", None)) if p]
+        if not is_auto_named(layer):
+            for path in paths:
+                entries.setdefault(path, policy)
+            continue
+        for path in paths:
+            parent = path.rpartition("/")[0]
+            if parent:
+                key = f"{re.escape(parent)}/{re.escape(snake_case(type(layer).__name__))}(?:_\\d+)?"
+                patterns.setdefault(key, set()).add(policy.name)
+    for key, names in patterns.items():
+        if len(names) == 1:
+            entries.setdefault(key, keras.DTypePolicy(names.pop()))
+    return entries
+
+
+def copy_model(model):
+    """A copy of `model` as `keras.models.load_model` gives it back: same class, config and weights.
+
+    Raises:
+        ValueError: naming the model, where it cannot be saved and loaded.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model.keras")
+        try:
+            model.save(path)
+            with keras.saving.custom_object_scope(user_classes(model)):
+                copy = keras.models.load_model(path, compile=False, safe_mode=False)
+        except Exception as e:
+            raise ValueError(
+                f"kmix.autocast(copy=True) copies a model as `model.save` and `keras.models.load_model` "
+                f"do, and model {model.name!r} does not survive that: {type(e).__name__}: {e}. Place "
+                "the model itself (copy=False, the default) and keep the float32 weights with "
+                "`model.get_weights()` if you need them."
+            ) from e
+    for (_, old, _), (_, new, _) in zip(walk(model), walk(copy)):
+        if isinstance(old, keras.layers.Lambda) and isinstance(new, keras.layers.Lambda):
+            new.function = old.function  # the original object, with its closure
+    return copy
+
+
+def user_classes(model):
+    """The model's own classes (unregistered ones included) by the name their configs give.
+
+    Keras's and keras-hub's classes are left to their registrations (a name such as
+    "Add" is a merge layer and a `keras.ops` node); kmix's are registered.
+    """
+    return {
+        cls.__name__: cls
+        for cls in {type(layer) for _, layer, _ in walk(model)} | {type(model)}
+        if not cls.__module__.startswith(("keras.", "keras_hub.", "kmix."))
+    }
+
+
+def _default(model):
+    """The policy most layers of `model` compute under: what a layer missing from a map takes."""
+    counts = {}
+    for _, layer, _ in walk(model):
+        name = resolved_policy(layer).name
+        counts[name] = counts.get(name, 0) + 1
+    return keras.DTypePolicy(max(counts, key=counts.get)) if counts else keras.DTypePolicy("float32")
+
+
+def _relative(path, root):
+    prefix = f"{root.name}/"
+    return path[len(prefix):] if path and path.startswith(prefix) else path

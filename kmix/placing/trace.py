@@ -1,0 +1,123 @@
+"""One symbolic call of a model, watching its layers: which layer raised, which produced the outputs.
+
+Tracing `model(x)` in a `tf.function` on `tf.TensorSpec`s runs every layer's
+`call` as a graph is built, with nothing computed: a dtype clash (a custom
+layer adding its float32 noise to a half tensor with a raw TensorFlow op)
+raises there, as it would in the first training step. Each layer's `call` is
+wrapped for the trace only, so the innermost layer that raised is known, and
+so is the layer that returned each of the model's outputs (a subclassed
+model's graph is known no other way).
+"""
+
+import contextlib
+import functools
+
+import keras
+import tensorflow as tf
+
+from kmix import _compat
+from kmix.policy.placement import is_graph_model, walk
+
+
+class Traced:
+    """What one traced call found.
+
+    Attributes:
+        error: the exception the call raised, or None.
+        culprit: the innermost layer whose `call` raised it, or None.
+        outputs: the ids of the layers that returned the model's outputs
+            (the outermost layer returning each output tensor).
+    """
+
+    def __init__(self, error, culprit, outputs):
+        self.error, self.culprit, self.outputs = error, culprit, outputs
+
+
+def input_specs(model, x=None):
+    """The `tf.TensorSpec` structure to call `model` on, or None where nothing tells it.
+
+    From `x` (arrays or tensors, or lists / dicts of them) when given, else
+    from a graph model's inputs, else from the shape a subclassed model was
+    built with (one input).
+    """
+    if x is not None:
+        return keras.tree.map_structure(lambda t: _spec(t.shape, _dtype(t), batch=True), x)
+    if is_graph_model(model) and getattr(model, "inputs", None):
+        try:
+            inputs = model.input  # the structure the model takes (a dict for keras-hub backbones)
+        except AttributeError:  # a Sequential never called on a symbolic input
+            inputs = model.inputs[0] if len(model.inputs) == 1 else model.inputs
+        return keras.tree.map_structure(lambda t: _spec(t.shape, t.dtype), inputs)
+    shapes = _compat.built_input_shapes(model)
+    if shapes and len(shapes) == 1:
+        shape = next(iter(shapes.values()))
+        if isinstance(shape, (tuple, list)) and all(d is None or isinstance(d, int) for d in shape):
+            return _spec(shape, "float32", batch=True)
+    return None
+
+
+def trace(model, specs):
+    """Builds the graph of `model(x, training=False)` for `specs`; returns a `Traced`."""
+    layers = [layer for _, layer, _ in walk(model)]
+    seen, producers, culprit = set(), {}, []
+    with _watched(layers, seen, producers, culprit):
+        returned = []  # the tensors the model returns, inside the graph (tf.function adds identities after)
+        try:
+            tf.function(lambda x: returned.append(model(x, training=False)), autograph=False).get_concrete_function(specs)
+        except Exception as e:  # noqa: BLE001  reported to the caller with the layer that raised it
+            return Traced(e, culprit[0] if culprit else None, set())
+    found = set()
+    for tensor in keras.tree.flatten(returned):
+        layer = producers.get(id(tensor), (None, None))[1]
+        if layer is not None:
+            found.add(id(layer))
+    return Traced(None, None, found)
+
+
+@contextlib.contextmanager
+def _watched(layers, seen, producers, culprit):
+    missing = object()
+    saved = []
+    try:
+        for layer in layers:
+            saved.append((layer, vars(layer).get("call", missing)))
+            layer.call = _watch(layer.call, layer, seen, producers, culprit)
+        yield
+    finally:
+        for layer, own in reversed(saved):
+            if own is missing:
+                del layer.call
+            else:
+                layer.call = own
+
+
+def _watch(original, layer, seen, producers, culprit):
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        try:
+            outputs = original(*args, **kwargs)
+        except Exception as e:
+            if id(e) not in seen:  # the innermost layer sees it first
+                seen.add(id(e))
+                culprit.append(layer)
+            raise
+        for tensor in keras.tree.flatten(outputs):
+            producers[id(tensor)] = (tensor, layer)  # the tensor is kept, so its id is not reused
+        return outputs
+
+    return call
+
+
+def _spec(shape, dtype, batch=False):
+    shape = tuple(shape)
+    if batch and shape:
+        shape = (None,) + shape[1:]
+    return tf.TensorSpec(shape, keras.backend.standardize_dtype(dtype))
+
+
+def _dtype(value):
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        return "float32"
+    dtype = keras.backend.standardize_dtype(dtype)
+    return "float32" if dtype == "float64" else dtype
