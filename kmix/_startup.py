@@ -52,9 +52,11 @@ def quiet_tensorflow_start():
 
             tf.config.list_physical_devices()  # the CUDA probe ("failed call to cuInit")
         finally:
-            sys.stderr.flush()
-            sys.stderr.close()
+            passing = sys.stderr
+            passing.flush()
             sys.stderr = python_stderr
+            _repoint_handlers(passing, python_stderr)
+            passing.close()
             os.dup2(saved_fd, 2)
             os.close(saved_fd)
         captured.seek(0)
@@ -63,6 +65,23 @@ def quiet_tensorflow_start():
         sys.stderr.write(kept)
         sys.stderr.flush()
     return True
+
+
+def _repoint_handlers(old, new):
+    """Points the logging handlers made on `old` (TensorFlow's, made while it started) at `new`.
+
+    TensorFlow's logger takes `sys.stderr` as it is when first used, which
+    can be inside `quiet_tensorflow_start`: left on the stream closed after
+    it, every later warning would print "--- Logging error ---" instead.
+    """
+    import logging
+
+    loggers = [logging.getLogger()] + [logger for logger in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(logger, logging.Logger)]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream is old:
+                handler.setStream(new)
 
 
 def drop_startup_notes(text):

@@ -70,6 +70,22 @@ def test_command_keeps_the_users_log_level():
     assert "oneDNN custom operations" in done.stderr or "cuda" in done.stderr
 
 
+def test_tensorflow_warnings_after_a_quiet_start_print_without_a_logging_error():
+    """TensorFlow's logger, made while the start was quiet, writes to stderr afterwards (no closed stream)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.orig_argv = [sys.executable, '-m', 'kmix']\n"
+            "import kmix, tensorflow as tf\n"
+            "tf.get_logger().warning('a warning after the start')")
+    environ = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "a warning after the start" in done.stderr
+    assert "Logging error" not in done.stderr and "closed file" not in done.stderr, done.stderr
+
+
 def test_drop_startup_notes_keeps_errors_and_other_text():
     from kmix._startup import drop_startup_notes, launched_as_command
 
