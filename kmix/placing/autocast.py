@@ -168,8 +168,10 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
     before = {id(layer): (resolved_policy(layer).name, type(layer)) for _, layer, _, _ in plan}
 
     place.place(plan)
+    unplaced = _check_reload(model, adopt=True)
     kept = _keep_what_fails(model, plan, specs)
-    unplaced = _check_reload(model)
+    if kept:  # what it kept in float32, a reload must keep too
+        unplaced = _check_reload(model, adopt=False)
     place.reset_compiled_functions(model)
 
     table = AutocastTable()
@@ -252,8 +254,13 @@ def _keep_what_fails(model, plan, specs):
     return kept
 
 
-def _check_reload(model):
-    """Makes `keras.models.load_model` place every layer as the model in memory; `{id: what differs}`."""
+def _check_reload(model, adopt):
+    """Makes `keras.models.load_model` place every layer as the model in memory; `{id: what differs}`.
+
+    With `adopt`, a layer without variables of its own that a block makes
+    (a dropout a keras-hub layer builds in its constructor) takes the policy
+    the reload gives it, as the block makes it.
+    """
     copy, error = reload.reloaded(model)
     if error is not None:
         warnings.warn(
@@ -268,7 +275,8 @@ def _check_reload(model):
     if found and reload.record(model, found, copy):
         copy, _ = reload.reloaded(model)
         found = reload.differences(model, copy) if copy is not None else found
-    found = _adopt_block_choices(found, saved_layers(model))
+    if adopt:
+        found = _adopt_block_choices(found, saved_layers(model))
     if found:
         described = [f"{path} ({_policy(mine)} in memory, {_policy(got)} after a reload)"
                      for _, path, mine, got, _ in found.values()]

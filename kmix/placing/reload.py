@@ -91,14 +91,14 @@ def record(model, found, copy):
         return 0
     entries = _entries(model, copy)
     for block in holders.values():
-        if isinstance(block.dtype_policy, keras.dtype_policies.DTypePolicyMap):
-            continue  # a map of the user's: the placement was written into it, layer by layer
+        # A map of the user's (a backbone built with one) is replaced on the block alone: its
+        # layers keep reading theirs in memory, and the block's config carries the placement.
         dtype_map = keras.dtype_policies.DTypePolicyMap(default_policy=_default(model))
         for path, policy in entries.items():
             dtype_map[path] = policy
         if block.path and block.path not in dtype_map:
             dtype_map[block.path] = resolved_policy(block)
-        block.dtype_policy = dtype_map
+        _set_map(block, dtype_map)
     return len(holders)
 
 
@@ -167,6 +167,19 @@ def user_classes(model):
         for cls in {type(layer) for _, layer, _ in walk(model)} | {type(model)}
         if not cls.__module__.startswith(("keras.", "keras_hub.", "kmix."))
     }
+
+
+def _set_map(block, dtype_map):
+    """Gives `block` the map as its own policy, in place of a map of the user's it may share.
+
+    Keras's setter writes into a map the layer already holds (at the layer's
+    path) rather than replacing it; a block sharing the user's map with its
+    layers must hold the new one itself.
+    """
+    if isinstance(block.dtype_policy, keras.dtype_policies.DTypePolicyMap):
+        block._dtype_policy = dtype_map  # noqa: SLF001  the setter would write into the shared map
+    else:
+        block.dtype_policy = dtype_map
 
 
 def _default(model):

@@ -56,8 +56,10 @@ def test_sample_keeps_what_overflows_in_float32_and_advises_the_scale():
     model = _overflow_model()
     x, y = _data()
     expected = model.predict(x, verbose=0)
-    assert not np.isfinite(kmix.autocast(model, "O1")(x)).all()  # the plain copy overflows
+    assert not np.isfinite(kmix.autocast(model, "O1", copy=True)(x)).all()  # placed without the sample: overflows
 
+    diagnosis = kmix.diagnose(model, x, y, policy="O1", batches=1, batch_size=len(x))  # the float32 model
+    assert diagnosis.float32_layers == ["big", "shrink"]
     new, table = kmix.autocast(model, "O1", sample=(x, y), return_table=True)
     assert _relative_error(new(x), expected) < TOLERANCE
     why = {r.layer: (r.after, r.reason) for r in table}
@@ -65,8 +67,6 @@ def test_sample_keeps_what_overflows_in_float32_and_advises_the_scale():
     assert why["shrink"] == ("float32", "sample: input overflows"), why  # it would cast 1e5 to half
     assert why["mid"][0] == "mixed_float16"
 
-    diagnosis = kmix.diagnose(model, x, y, policy="O1", batches=1, batch_size=len(x))
-    assert diagnosis.float32_layers == ["big", "shrink"]
     with kmix.policy_scope("O1"):
         advised = kmix.wrap(keras.optimizers.Adam(1e-3))
         chosen = kmix.wrap(keras.optimizers.Adam(1e-3), initial_scale=2.0**10)
@@ -153,10 +153,14 @@ def test_t5_trains_under_o1_float16_in_one_call_with_xla():
     model, x, y = _t5_regression()
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
     expected = model.predict(x, verbose=0)
-    # Without the sample: T5's attention adds a -1e9 mask, -inf in float16; the copy is NaN.
-    assert not np.isfinite(kmix.autocast(model, "O1")(x)).all()
+    # Without the sample: T5's attention adds a -1e9 mask, -inf in float16; the placed copy is NaN.
+    assert not np.isfinite(kmix.autocast(model, "O1", copy=True)(x)).all()
+    float32_model = kmix.autocast(model, "O0", copy=True)  # the float32 model, kept beside it
+    float32_model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    scale = kmix.diagnose(float32_model, x, y, policy="O1", batches=1, batch_size=BATCH).recommended_scale
 
     new, table = kmix.autocast(model, "O1", sample=(x, y), return_table=True)
+    assert new is model
     assert _relative_error(new(x), expected) < TOLERANCE
     placed = {row.layer.split("/", 1)[1] for row in table if row.reason.startswith("sample: ") and
               "sample: in " not in row.reason}
@@ -166,12 +170,11 @@ def test_t5_trains_under_o1_float16_in_one_call_with_xla():
         new.save(path)
         np.testing.assert_array_equal(keras.models.load_model(path)(x), new(x))
 
-    scale = kmix.diagnose(model, x, y, policy="O1", batches=1, batch_size=BATCH).recommended_scale
     with kmix.policy_scope("O1"):
         optimizer = kmix.wrap(keras.optimizers.Adam(1e-3))
         new.compile(optimizer=optimizer, loss="mse", jit_compile=True)
     history = new.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history["loss"]
-    reference = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history["loss"]
+    reference = float32_model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history["loss"]
 
     assert optimizer.initial_scale == scale and int(optimizer.skipped_steps) == 0
     assert np.isfinite(history).all() and history[-1] < 0.6 * history[0], history

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import kmix
-from kmix.policy import Policy, autocast, policy_scope
+from kmix import autocast
+from kmix.policy import Policy, policy_scope
 
 EPOCHS = 10
 
