@@ -3,16 +3,16 @@
 The images are generated here: 24x24 grey images, each showing one of four
 shapes (a horizontal bar, a vertical bar, a square outline, a diagonal) at a
 random place, with noise. The model is written in float32, as most existing
-code is; `kmix.autocast` returns a copy with the same weights in which the
-convolutions and dense layers compute in half precision while batch
-normalization and the softmax output stay in float32 (Apex O1's placement).
+code is; `kmix.autocast` places it in place: the convolutions and dense
+layers compute in half precision while batch normalization and the softmax
+output stay in float32 (Apex O1's placement).
 
 What kmix adds:
 
-    fast = kmix.autocast(model, "O1")                   # prints the placement table
+    model = kmix.autocast(model, "O1")                  # the same model, placed
     with kmix.policy_scope("O1"):                       # so kmix.wrap picks the loss scaling
-        fast.compile(optimizer=kmix.wrap(keras.optimizers.SGD(...)), ...)
-    fast.fit(..., callbacks=[kmix.callbacks.LossScaleWarmup(), kmix.callbacks.LossScaleMonitor()])
+        model.compile(optimizer=kmix.wrap(keras.optimizers.SGD(...)), ...)
+    model.fit(..., callbacks=[kmix.callbacks.LossScaleWarmup(), kmix.callbacks.LossScaleMonitor()])
 
 Run:
 
@@ -89,10 +89,10 @@ def main(argv=None):
     x_test, y_test = make_images(512, seed=1)
     keras.utils.set_random_seed(0)
     model = build_model()
-    fast, table = kmix.autocast(model, args.policy, return_table=True)
+    model, table = kmix.autocast(model, args.policy, return_table=True)
     print(table)
     with kmix.policy_scope(args.policy) as policy:
-        fast.compile(
+        model.compile(
             optimizer=kmix.wrap(keras.optimizers.SGD(0.05, momentum=0.9)),
             loss="sparse_categorical_crossentropy",
             metrics=["accuracy"],
@@ -101,10 +101,10 @@ def main(argv=None):
     if policy.needs_loss_scaling:
         # Start the scale at 2^7 and double it every 20 steps up to the first overflow.
         callbacks.insert(0, kmix.callbacks.LossScaleWarmup(2**7, growth_interval=20))
-    initial_loss, _ = fast.evaluate(x_test, y_test, batch_size=256, verbose=0)
-    fast.fit(x, y, batch_size=args.batch, epochs=1, verbose=2, callbacks=callbacks)
-    final_loss, accuracy = fast.evaluate(x_test, y_test, batch_size=256, verbose=0)
-    opt = fast.optimizer
+    initial_loss, _ = model.evaluate(x_test, y_test, batch_size=256, verbose=0)
+    model.fit(x, y, batch_size=args.batch, epochs=1, verbose=2, callbacks=callbacks)
+    final_loss, accuracy = model.evaluate(x_test, y_test, batch_size=256, verbose=0)
+    opt = model.optimizer
     print(f"result: initial_loss={initial_loss:.5f} final_loss={final_loss:.5f} accuracy={accuracy:.4f} "
           f"skipped_steps={int(opt.skipped_steps)} loss_scale={float(opt.loss_scale):g}")
 

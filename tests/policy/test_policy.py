@@ -134,8 +134,9 @@ def test_casts_only_floating_tensors():
 
 
 def test_exported_at_package_level():
-    for name in ("Policy", "set_policy", "policy_scope", "active_policy", "autocast", "memory_report"):
+    for name in ("Policy", "set_policy", "policy_scope", "active_policy", "memory_report"):
         assert getattr(kmix.policy, name).__doc__
+    assert kmix.autocast is kmix.placing.autocast and kmix.autocast.__doc__
 
 
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
