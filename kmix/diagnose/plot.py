@@ -114,7 +114,6 @@ def _short(path, width=30):
 
 
 def _pct(fraction):
-    from kmix.diagnose.report import _percent
 
-    text = _percent(fraction)
+    text = probe.percent(fraction)
     return text if text.endswith("%") else text + "%"

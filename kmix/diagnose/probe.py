@@ -231,3 +231,12 @@ class Log2Histogram:
             return 0.0
         k = int(np.ceil((log2_threshold - self.LOW) * self.BINS_PER_OCTAVE - 1e-9))
         return float(self.counts[max(0, k):].sum()) / self.total
+
+
+def percent(fraction):
+    """A fraction as a short percentage for tables: `0`, `<0.01%`, `0.5%`, `12%`."""
+    if fraction == 0:
+        return "0"
+    if fraction < 1e-4:
+        return "<0.01%"
+    return f"{100 * fraction:.2g}%" if fraction < 0.1 else f"{100 * fraction:.0f}%"

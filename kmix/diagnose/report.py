@@ -163,7 +163,7 @@ class Diagnosis:
             elif reason == "output":
                 lines.append(
                     f"{name}: outputs reach {row.output.max_abs:.3g} in float32, beyond {half}'s {limit:g} "
-                    f"({_percent(row.output.fraction(row.output.overflow))} of values). Fix: keep "
+                    f"({probe.percent(row.output.fraction(row.output.overflow))} of values). Fix: keep "
                     f"{row.target} in float32 (a float32 island), or train in bfloat16.")
             else:
                 lines.append(f"{name}: its inputs reach {row.input_max:.3g}, beyond {half}'s {limit:g}, and "
@@ -212,10 +212,10 @@ class Diagnosis:
         for r in self.layers:
             grad = r.gradient
             body.append([r.path, r.class_name, f"{r.output.max_abs:.3g}",
-                         _percent(r.output.fraction(r.output.overflow)),
-                         _percent(r.output.fraction(r.output.underflow)),
+                         probe.percent(r.output.fraction(r.output.overflow)),
+                         probe.percent(r.output.fraction(r.output.underflow)),
                          f"{grad.max_abs:.3g}" if grad.size else "-",
-                         _percent(grad.fraction(grad.underflow)) if grad.size else "-", r.verdict])
+                         probe.percent(grad.fraction(grad.underflow)) if grad.size else "-", r.verdict])
         widths = [max(len(str(row[i])) for row in [headers] + body) for i in range(len(headers))]
         lines = [f"kmix.diagnose: model {self.model_name!r}, {self.batches} batch(es), float32 vs "
                  f"{self.policy.name}; fractions of values beyond {half}'s range (>) and flushed to zero (-> 0)",
@@ -262,13 +262,6 @@ def _first_line(error):
 
 def _share(fraction):
     """A fraction in words: "none", "<0.01%", "3.1%"."""
-    return "none" if fraction == 0 else _percent(fraction)
+    return "none" if fraction == 0 else probe.percent(fraction)
 
-
-def _percent(fraction):
-    if fraction == 0:
-        return "0"
-    if fraction < 1e-4:
-        return "<0.01%"
-    return f"{100 * fraction:.2g}%" if fraction < 0.1 else f"{100 * fraction:.0f}%"
 
