@@ -1,32 +1,40 @@
-"""`kmix.recommend()`: the fastest safe policy and compilation for this device, measured.
+"""`kmix.recommend()`: the fastest safe policy and compilation, measured on this device or on your model.
 
-The decision is `decide(probe, gpus, cpu)`, a pure function of the probe's
-figures (`kmix.device.Probe`), so that every branch is tested with injected
-figures; the device facts only explain it:
+With a model and a batch of its data, `recommend` times the model's own
+training step on each candidate route (`kmix._trials`); without one it times
+a transformer MLP (`kmix.device.probe`). Either way the timings are
+interleaved rounds, and the decision is a pure function of them
+(`choose`), so that every branch is tested with injected figures:
 
 ```
-f32 = float32's best rate (tf.function or XLA)
-half = bfloat16 if it is at least 1/FLOAT16_MARGIN as fast as float16, else float16
-if rate(half) >= MIN_SPEEDUP * f32:  policy = "O1-<half>"      # worth its rounding
-else:                                policy = "float32"
-jit_compile = rate(policy's dtype, XLA) >= rate(policy's dtype, tf.function)
+f32  = the faster float32 compilation
+half = for each half dtype, its faster compilation; it wins when, round by round,
+       float32's step / its step > max(MIN_GAIN, 1 + noise)     # noise: the spread of those ratios
+       (float16 over bfloat16 only when faster still by FLOAT16_MARGIN, beyond the noise)
+route = the winning half dtype, else float32
+compilation = the faster one; within NOISE_FLOOR (3%) of each other, Keras's default (XLA only with a GPU)
 ```
 
-bfloat16 is preferred over float16 unless float16 is clearly faster: it has
-float32's range, so it needs no loss scaling and does not overflow. The half
-policy is Apex's O1 with that dtype (`kmix.autocast` places matmuls in it and
-keeps normalization, softmax and the model's outputs in float32), spelled as
-`kmix.Policy(...).name` spells it, a string every kmix entry point accepts.
+MIN_GAIN is 1.1 for the MLP probe (a synthetic step: an edge it shows must
+be clear to carry over) and just beyond the noise on the user's model (the
+route returned is then within the noise of the fastest measured). bfloat16
+is preferred over float16: it has float32's range, so it needs no loss
+scaling and does not overflow. The half policy is Apex's O1 with that dtype
+(`kmix.autocast` places matmuls in it and keeps normalization, softmax and
+the model's outputs in float32), spelled as `kmix.Policy(...).name` spells
+it, a string every kmix entry point accepts.
 """
 
 import dataclasses
 
-from kmix import device
+from kmix import _timing, _trials, device
+from kmix._output import progress
 
-MIN_SPEEDUP = 1.1  # a half dtype must beat float32 by this much to be worth its rounding
-# float16 is chosen over bfloat16 only when this much faster: it needs loss scaling and
-# overflows at 65504, where bfloat16 has float32's range.
+MIN_SPEEDUP = 1.1  # the probe: a half dtype must beat float32 by this much to be worth its rounding
+# The probe: float16 is chosen over bfloat16 only when this much faster: it needs loss scaling
+# and overflows at 65504, where bfloat16 has float32's range.
 FLOAT16_MARGIN = 1.25
+CANDIDATE = 0.85  # a half dtype is timed on the model when the probe ran it at least this fast as float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +51,12 @@ class Recommendation:
         jit_compile: the `jit_compile` to pass to `model.compile`.
         reasons: lines that quote the measured figures and the device facts.
         loss_scaling: whether the policy needs a dynamic loss scale (float16).
-        probe: the `kmix.device.Probe` the decision came from.
+        probe: the `kmix.device.Probe` measured (the decision's figures
+            without a model; which half dtypes to try on a model).
+        table: with a model, the `RouteTable` of its training step on each
+            route (None otherwise).
 
-    `print(rec)` shows a short report.
+    `print(rec)` shows the route, the reasons and the table.
     """
 
     policy: str
@@ -53,36 +64,116 @@ class Recommendation:
     reasons: tuple
     loss_scaling: bool
     probe: object = None
+    table: object = None
 
     def __str__(self):
         lines = [f"Recommended: policy {self.policy!r}, jit_compile={self.jit_compile}"]
         lines += [f"  - {reason}" for reason in self.reasons]
+        if self.table is not None:
+            lines.append(str(self.table))
         return "\n".join(lines)
 
 
-def recommend(model=None, probe=None):
-    """Measures this device and returns the fastest safe policy and compilation.
+def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=None, optimizer=None,
+              dtypes=None, budget_s=30.0, probe=None, verbose=True):
+    """Measures the fastest safe policy and `jit_compile`: on your model's training step, or on this device.
+
+    With a model and data it builds each candidate route as the README
+    does (`kmix.autocast(model, policy, copy=True)`, compiled in
+    `kmix.policy_scope(policy)` with `kmix.wrap` and `jit_compile`), times
+    `train_on_batch` on one batch in interleaved rounds, and returns the
+    fastest route, where a half route wins only beyond the measured noise.
+    The candidates are float32 and each half dtype the device's probe ran
+    at least `CANDIDATE` times as fast as float32 (float16 only where it
+    beat bfloat16), each as a `tf.function` and under XLA. `model` is not
+    changed: copies are timed.
 
     Args:
-        model: optional; a built Keras model whose dense layers set the size
-            of the probe (the median input and output widths of its
-            `Dense` / `EinsumDense` kernels, over 1024 rows).
-        probe: a `kmix.device.Probe` to decide from instead of measuring.
+        model: a built Keras model; compiled with its loss (and optimizer),
+            or pass `loss=` (and `optimizer=`). Without data, only the size
+            of the probe comes from it (its dense kernels).
+        x, y: training data: arrays (the first `batch_size` rows are
+            timed), or `x` a `tf.data.Dataset` of `(x, y)` batches (its first batch).
+        sample: instead of `x`, `y`: one batch `(x, y)` or a dataset.
+        batch_size: rows of `x`, `y` per step; 32 by default (as `fit`).
+        loss, optimizer: override the model's compiled ones (the optimizer's
+            settings are copied for every route; `"adam"` if none).
+        dtypes: the dtypes to time, e.g. `("float32", "bfloat16")`,
+            instead of the probe's choice.
+        budget_s: seconds for the trials; building and compiling each route
+            come first and are not cut short, the timed rounds share the
+            rest (at least 5 rounds).
+        probe: a `kmix.device.Probe` to use instead of measuring one.
+        verbose: progress lines on stderr while it measures.
 
     Returns:
-        A `Recommendation` (`policy`, `jit_compile`, `reasons`).
+        A `Recommendation` (`policy`, `jit_compile`, `reasons`, and with a
+        model and data the `table` of routes).
 
     Example:
 
-    >>> rec = kmix.recommend()
-    >>> print(rec)
-    >>> model = kmix.autocast(build_model(), rec.policy)
+    >>> rec = kmix.recommend(model, x=x_train, y=y_train, budget_s=30)
+    >>> print(rec)                    # the route, why, and the table of routes
+    >>> fast = kmix.autocast(model, rec.policy)
     >>> with kmix.policy_scope(rec.policy):
-    ...     model.compile(optimizer=kmix.wrap("adamw"), loss="mse", jit_compile=rec.jit_compile)
+    ...     fast.compile(optimizer=kmix.wrap("adamw"), loss="mse", jit_compile=rec.jit_compile)
     """
-    if probe is None:
-        probe = device.probe(None if model is None else model_shape(model))
-    return decide(probe, device.gpus(), device.cpu_features(), device.onednn_enabled())
+    has_data = x is not None or y is not None or sample is not None
+    if model is None or not has_data:
+        if probe is None:
+            if verbose:
+                progress("kmix.recommend: probing this device (a transformer MLP's training step)")
+            probe = device.probe(None if model is None else model_shape(model))
+        rec = decide(probe, device.gpus(), device.cpu_features(), device.onednn_enabled())
+        if model is not None:
+            note = ("Sized from the model's dense layers, not timed on it: pass x=, y= (or sample=) to time "
+                    "your own training step on each route.")
+            rec = dataclasses.replace(rec, reasons=rec.reasons + (note,))
+        return rec
+    loss, optimizer = _trials.training_setup(model, loss, optimizer)
+    batch = _trials.first_batch(x, y, sample, batch_size)
+    if dtypes is None:
+        if probe is None:
+            if verbose:
+                progress("kmix.recommend: probing this device for the half dtypes worth timing")
+            probe = device.probe()
+        dtypes, skipped = candidates(probe)
+    else:
+        dtypes, skipped = _check_dtypes(dtypes), ()
+    routes = [(_policy(d), jit) for d in dtypes for jit in (False, True)]
+    table = _trials.time_routes(model, batch, loss, optimizer, routes, float(budget_s), verbose)
+    table = dataclasses.replace(table, skipped=tuple(skipped))
+    return decide_routes(table, probe, device.gpus(), device.cpu_features(), device.onednn_enabled())
+
+
+def candidates(probe):
+    """The dtypes worth timing on a model, from a probe: `(dtypes, [(dtype, why not), ...])`."""
+    f32 = probe.best("float32")[0]
+    chosen, skipped = ["float32"], []
+    for half in ("bfloat16", "float16"):
+        rate = max((probe.rate(half, jit) for jit in (False, True) if (half, jit) not in probe.screened),
+                   default=0.0)
+        if rate < CANDIDATE * f32:
+            skipped.append((half, f"the probe ran it at {rate / f32:.2f}x float32's best "
+                                  f"({_g(rate)} against {_g(f32)} GFLOP/s), under {CANDIDATE}x"))
+        elif half == "float16" and "bfloat16" in chosen and rate <= probe.best("bfloat16")[0]:
+            skipped.append((half, f"no faster than bfloat16 on the probe ({_g(rate)} against "
+                                  f"{_g(probe.best('bfloat16')[0])} GFLOP/s), which needs no loss scaling"))
+        else:
+            chosen.append(half)
+    return chosen, skipped
+
+
+def _check_dtypes(dtypes):
+    dtypes = [dtypes] if isinstance(dtypes, str) else list(dtypes)
+    unknown = [d for d in dtypes if d not in device.DTYPES]
+    if unknown or not dtypes:
+        raise ValueError(f"`dtypes` must name some of {device.DTYPES}. Received: dtypes={dtypes!r}")
+    return ["float32"] + [d for d in device.DTYPES[1:] if d in dtypes]  # float32 is the reference
+
+
+def _policy(dtype):
+    return "float32" if dtype == "float32" else f"O1-{dtype}"
 
 
 def model_shape(model):
@@ -99,11 +190,59 @@ def model_shape(model):
     return (1024, min(max(median(ins), 16), 8192), min(max(median(outs), 16), 8192))
 
 
-def decide(probe, gpus, cpu, onednn=None):
-    """The recommendation for measured figures and device facts (pure; see the module docstring).
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What `choose` found: the `route` `(dtype, jit)`, float32's best `reference`, and per half
+    dtype `gains[dtype] = (its best route, float32's step / its step, noise)`."""
+
+    route: tuple
+    reference: tuple
+    gains: dict
+
+
+def choose(times, default_jit, min_gain, float16_margin):
+    """The fastest safe route from interleaved timings (pure; see the module docstring).
 
     Args:
-        probe: a `kmix.device.Probe` (or anything with its `rate` and `best`).
+        times: `{(dtype, jit_compile): [seconds per round]}` (float32 required).
+        default_jit: the compilation kept when both are within the noise
+            (Keras's default: True with a GPU, False without).
+        min_gain: the least speed-up over float32 a half dtype must show.
+        float16_margin: how much faster than bfloat16 float16 must be.
+
+    Returns:
+        A `Choice`.
+    """
+    def best(dtype):
+        configs = [c for c in times if c[0] == dtype]
+        fastest = min(configs, key=lambda c: _timing.median(times[c]))
+        default = (dtype, default_jit)
+        # A compilation costs no precision: the faster one, unless they are within the noise floor.
+        if default in times and _timing.paired(times[default], times[fastest])[0] <= 1 + _timing.NOISE_FLOOR:
+            return default
+        return fastest
+
+    reference = best("float32")
+    gains = {}
+    for half in ("bfloat16", "float16"):
+        if any(c[0] == half for c in times):
+            route = best(half)
+            gains[half] = (route,) + _timing.paired(times[reference], times[route])
+    wins = {h: g for h, g in gains.items() if g[1] >= min_gain and g[1] > 1 + g[2]}
+    if not wins:
+        return Choice(reference, reference, gains)
+    if "float16" in wins and "bfloat16" in wins:
+        ratio, noise = _timing.paired(times[wins["bfloat16"][0]], times[wins["float16"][0]])
+        return Choice(wins["float16" if ratio >= float16_margin and ratio > 1 + noise else "bfloat16"][0],
+                      reference, gains)
+    return Choice(next(iter(wins.values()))[0], reference, gains)
+
+
+def decide(probe, gpus, cpu, onednn=None):
+    """The recommendation from the MLP probe and the device facts (pure).
+
+    Args:
+        probe: a `kmix.device.Probe`.
         gpus: `kmix.device.gpus()`: dicts with `name`, `compute_capability`.
         cpu: `kmix.device.cpu_features()`.
         onednn: whether oneDNN is on (None: unknown).
@@ -111,45 +250,95 @@ def decide(probe, gpus, cpu, onednn=None):
     Returns:
         A `Recommendation`.
     """
-    f32, f32_jit = probe.best("float32")
-    bf16, bf16_jit = probe.best("bfloat16")
-    f16, f16_jit = probe.best("float16")
-    half = "bfloat16" if bf16 * FLOAT16_MARGIN >= f16 else "float16"
-    rate = bf16 if half == "bfloat16" else f16
-    dtype = half if rate >= MIN_SPEEDUP * f32 else "float32"
-    tf_rate, xla_rate = probe.rate(dtype, False), probe.rate(dtype, True)
-    jit = xla_rate >= tf_rate
+    choice = choose(probe.times(), bool(gpus), MIN_SPEEDUP, FLOAT16_MARGIN)
+    (dtype, jit), (_, ref_jit) = choice.route, choice.reference
     reasons = [_facts_line(gpus, cpu, onednn)]
     reasons.append(
         f"Measured on {probe.device} ({_shape(probe)}), GFLOP/s as tf.function / XLA: "
         + "; ".join(f"{d} {_g(probe.rate(d, False))} / {_g(probe.rate(d, True))}" for d in device.DTYPES)
         + "."
     )
+    f32 = probe.rate("float32", ref_jit)
     if dtype == "float32":
+        halves = [f"{h} {g[1]:.2f}x (noise {g[2]:.0%})" for h, g in choice.gains.items()]
         reasons.append(
-            f"No half dtype is {MIN_SPEEDUP}x faster than float32 here (best: {half} {_g(rate)} "
-            f"against {_g(f32)}): float32, which has no rounding or overflow to manage."
+            f"No half dtype is {MIN_SPEEDUP}x faster than float32's best ({_g(f32)} GFLOP/s) beyond the "
+            f"noise ({', '.join(halves) or 'none timed'}): float32, which has no rounding or overflow to manage."
         )
     elif dtype == "bfloat16":
+        _, gain, noise = choice.gains["bfloat16"]
         reasons.append(
-            f"bfloat16 runs {bf16 / f32:.2f}x float32's best{_vs_float16(bf16, f16)}: O1 with bfloat16 "
-            "(float32's range: no loss scaling; kmix.wrap keeps a fixed scale of 1 and still "
+            f"bfloat16 runs {gain:.2f}x float32's best (noise {noise:.0%}){_vs_float16(probe)}: O1 with "
+            "bfloat16 (float32's range: no loss scaling; kmix.wrap keeps a fixed scale of 1 and still "
             "skips non-finite steps)."
         )
     else:
+        _, gain, noise = choice.gains["float16"]
         reasons.append(
-            f"float16 runs {f16 / f32:.2f}x float32's best and {f16 / max(bf16, 1e-9):.2f}x "
-            "bfloat16's: O1 with float16, which needs loss scaling: compile with "
-            "kmix.wrap(optimizer) and keep softmax and masks in float32 (kmix.autocast does)."
+            f"float16 runs {gain:.2f}x float32's best (noise {noise:.0%}) and {FLOAT16_MARGIN}x or more "
+            "bfloat16's: O1 with float16, which needs loss scaling: compile with kmix.wrap(optimizer) and "
+            "keep softmax and masks in float32 (kmix.autocast does)."
         )
-    compiled = "XLA" if jit else "tf.function"
-    other = "tf.function" if jit else "XLA"
-    reasons.append(
-        f"{dtype} is faster as {compiled} ({_g(max(tf_rate, xla_rate))} against {_g(min(tf_rate, xla_rate))} "
-        f"as {other}): jit_compile={jit}." + _xla_note(dtype, jit, gpus, onednn)
-    )
-    policy = "float32" if dtype == "float32" else f"O1-{dtype}"
-    return Recommendation(policy, jit, tuple(reasons), dtype == "float16", probe)
+    rate = lambda c: f"{_g(probe.rate(*c))} GFLOP/s"  # noqa: E731
+    reasons.append(_compilation_line(choice.route, probe.times(), rate, bool(gpus))
+                   + _xla_note(dtype, jit, gpus, onednn))
+    return _recommendation(dtype, jit, reasons, probe)
+
+
+def decide_routes(table, probe, gpus, cpu, onednn=None):
+    """The recommendation from the trials of the user's model (pure): a half route wins beyond the noise.
+
+    Args:
+        table: a `RouteTable` from `kmix._trials.time_routes`.
+        probe: the `kmix.device.Probe` that chose the candidates, or None.
+        gpus, cpu, onednn: the device facts, as for `decide`.
+
+    Returns:
+        A `Recommendation` whose `table` marks the route chosen.
+    """
+    times = table.times()
+    choice = choose(times, bool(gpus), 1.0, 1.0)
+    index = {(r.dtype, r.jit_compile): i for i, r in enumerate(table.routes)}
+    table = dataclasses.replace(table, chosen=index[choice.route], reference=index[choice.reference])
+    (dtype, jit), ref = choice.route, table.routes[index[choice.reference]]
+    ms = lambda c: f"{_timing.median(times[c]) * 1e3:.2f} ms"  # noqa: E731
+    reasons = [_facts_line(gpus, cpu, onednn),
+               f"Timed your model's training step on {table.batch}: {len(table.routes)} routes, "
+               f"{len(ref.seconds)} interleaved rounds (the table below)."]
+    if dtype == "float32":
+        halves = [f"{_policy(h)}, {_compiled(g[0][1])} {g[1]:.2f}x (noise {g[2]:.0%})"
+                  for h, g in choice.gains.items()]
+        reasons.append(f"No half route beats float32 ({ref.label}: {ms(choice.reference)} a step) beyond "
+                       f"the measured noise ({'; '.join(halves) or 'none timed'}): float32.")
+    else:
+        _, gain, noise = choice.gains[dtype]
+        scaling = ("no loss scaling" if dtype == "bfloat16" else
+                   "with a dynamic loss scale: compile with kmix.wrap(optimizer)")
+        reasons.append(f"{_policy(dtype)} runs {gain:.2f}x float32's best route ({ref.label}, "
+                       f"{ms(choice.reference)} a step), beyond the measured noise ({noise:.0%}): {scaling}.")
+    reasons.append(_compilation_line(choice.route, times, lambda c: f"{ms(c)} a step", bool(gpus)))
+    return _recommendation(dtype, jit, reasons, probe, table)
+
+
+def _recommendation(dtype, jit, reasons, probe, table=None):
+    policy = _policy(dtype)
+    return Recommendation(policy, bool(jit), tuple(reasons), dtype == "float16", probe, table)
+
+
+def _compiled(jit):
+    return "XLA" if jit else "tf.function"
+
+
+def _compilation_line(route, times, shown, gpu):
+    """Why `route`'s compilation: its figure against the other one's, round by round."""
+    (dtype, jit), other = route, (route[0], not route[1])
+    if other not in times:
+        return f"{dtype} timed as {_compiled(jit)} only ({shown(route)}): jit_compile={jit}."
+    ratio = _timing.paired(times[other], times[route])[0]
+    why = (f"{ratio:.2f}x" if ratio > 1 + _timing.NOISE_FLOOR else
+           f"{ratio:.2f}x, within {_timing.NOISE_FLOOR:.0%}: Keras's default, {_compiled(gpu)}")
+    return (f"{dtype} as {_compiled(jit)}: {shown(route)} against {shown(other)} as {_compiled(not jit)} "
+            f"({why}): jit_compile={jit}.")
 
 
 def _g(rate):
@@ -159,10 +348,12 @@ def _g(rate):
 
 def _shape(probe):
     m, k, n = probe.shape
-    return f"training step of an MLP x + gelu(x @ w1 + b1) @ w2, x {m}x{k}, w1 {k}x{n}"
+    rows = probe.rows or m
+    return f"training step of an MLP x + gelu(x @ w1 + b1) @ w2, x {rows}x{k}, w1 {k}x{n}"
 
 
-def _vs_float16(bf16, f16):
+def _vs_float16(probe):
+    bf16, f16 = probe.best("bfloat16")[0], probe.best("float16")[0]
     return f" and {bf16 / max(f16, 1e-9):.2f}x float16's"
 
 

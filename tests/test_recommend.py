@@ -1,5 +1,7 @@
-"""`kmix.recommend` and `kmix.device`: every branch of the decision with injected figures, one real probe."""
+"""`kmix.recommend` and `kmix.device`: every branch of the decision with injected figures, a real probe,
+and `kmix.recommend(model, ...)` on small models, which it must leave as they were."""
 
+import dataclasses
 import time
 
 import numpy as np
@@ -7,8 +9,8 @@ import pytest
 import tensorflow as tf
 
 import kmix
-from kmix import device
-from kmix.recommendation import FLOAT16_MARGIN, MIN_SPEEDUP, decide, model_shape
+from kmix import _compat, _trials, device
+from kmix.recommendation import FLOAT16_MARGIN, MIN_SPEEDUP, candidates, choose, decide, decide_routes, model_shape
 
 CPU_BF16 = {"model": "AMD EPYC", "source": "/proc/cpuinfo", "avx512_bf16": True, "amx_bf16": False,
             "avx512_fp16": False, "avx512f": True}
@@ -94,39 +96,110 @@ def test_tensor_cores():
     assert device.tensor_cores((10, 0)) == {"float16": True, "bfloat16": True}
 
 
-def test_a_real_probe_is_short_and_cached():
+def test_a_real_probe_is_short_cached_and_at_one_size():
     start = time.perf_counter()
     probe = device.probe((128, 64, 256), budget=0.05)
-    assert time.perf_counter() - start < 5.0
+    assert time.perf_counter() - start < 30.0  # a few seconds on an idle 2-core CPU
     assert set(probe.gflops) == {(d, j) for d in device.DTYPES for j in (False, True)}
     assert all(rate > 0 for rate in probe.gflops.values())
+    # Every configuration compared was timed at the same size, in the same interleaved rounds.
+    assert probe.rows in (128, 8) and set(probe.rounds) | set(probe.screened) == set(probe.gflops)
+    assert not set(probe.rounds) & set(probe.screened)
+    assert len({len(r) for r in probe.rounds.values()}) == 1 and len(next(iter(probe.rounds.values()))) >= 5
+    for config, seconds in probe.rounds.items():
+        assert probe.gflops[config] == pytest.approx(12 * probe.rows * 64 * 256 / np.median(seconds) / 1e9)
     assert device.probe((128, 64, 256), budget=0.05) is probe  # cached per process
     rec = kmix.recommend(probe=probe)
     assert rec.probe is probe and rec.policy in ("float32", "O1-bfloat16", "O1-float16")
-    assert "Measured on" in str(rec) and "128x64" in str(rec)
+    assert "Measured on" in str(rec) and "x 128x64" in str(rec) or "x 8x64" in str(rec)
 
 
-class _RowsCost:
-    """A stand-in step that costs `seconds_per_row` per row of its first input, and counts its rows."""
+def test_probe_sizes_every_configuration_alike_and_screens_slow_halves():
+    first = {("float32", False): 0.010, ("float32", True): 0.012, ("bfloat16", False): 0.006,
+             ("bfloat16", True): 0.011, ("float16", False): 0.200, ("float16", True): 0.012}
+    # The fastest full-size call (16 x 0.006 s) fits a budget of 0.1 s: every configuration at m rows.
+    rows, screened = device.plan_rows(first, 1024, 64, budget=0.1)
+    assert rows == 1024 and screened == (("float16", False),)  # 33x slower than the fastest
+    # It does not fit 0.05 s: every configuration at the small size, none at full size.
+    assert device.plan_rows(first, 1024, 64, budget=0.05)[0] == 64
+    # float32 is the reference: never screened, however slow (TF32-less float32 on a GPU).
+    slow32 = {**first, ("float32", False): 1.0, ("float32", True): 1.0}
+    assert not [c for c in device.plan_rows(slow32, 1024, 64, 0.1)[1] if c[0] == "float32"]
 
-    def __init__(self, seconds_per_row):
-        self.seconds_per_row, self.rows = seconds_per_row, []
 
-    def __call__(self, x, *rest):
-        self.rows.append(int(x.shape[0]))
-        time.sleep(self.seconds_per_row * int(x.shape[0]))
-        return tf.zeros(())
+def _rounds_probe(f32, bf16, f16):
+    """A Probe from `(tf.function, XLA)` seconds-per-round lists per dtype."""
+    rounds = {}
+    for dtype, (plain, xla) in (("float32", f32), ("bfloat16", bf16), ("float16", f16)):
+        rounds[(dtype, False)], rounds[(dtype, True)] = tuple(plain), tuple(xla)
+    gflops = {config: 1.0 / float(np.median(seconds)) for config, seconds in rounds.items()}
+    return device.Probe("CPU (test)", (1024, 512, 2048), gflops, 1.0, rounds, 1024)
 
 
-def test_a_slow_configuration_is_timed_on_a_slice_of_the_rows():
-    x = np.zeros((160, 4), "float32")
-    slow = _RowsCost(2e-3)  # 0.32 s a full call: over the budget, so 10 rows (0.02 s) tell the rate
-    rows, seconds = device._time_rows(slow, [x], budget=0.05)
-    assert rows == 10 and slow.rows == [10, 10] and 0.02 <= seconds < 0.2
-    fast = _RowsCost(1e-5)  # 1.6 ms a full call: timed at full size, at least three calls
-    rows, seconds = device._time_rows(fast, [x], budget=0.05)
-    assert rows == 160 and fast.rows[:2] == [10, 10] and set(fast.rows[2:]) == {160}
-    assert len(fast.rows) >= 2 + 1 + 3 and seconds >= 1.6e-3
+STEADY = [1.0, 1.01, 0.99, 1.0, 1.0]
+
+
+def test_a_half_dtype_wins_only_beyond_the_noise():
+    # bfloat16 1.25x float32 in the median, in both cases; the rounds differ.
+    steady = [t / 1.25 for t in STEADY]
+    noisy = [1.0 / 1.25, 1.01 / 1.8, 0.99 / 1.25, 1.0 / 0.7, 1.0 / 0.9]  # ratios 1.25, 1.8, 1.25, 0.7, 0.9
+    slow = [2.0] * 5
+    rec = decide(_rounds_probe((STEADY, slow), (steady, slow), (slow, slow)), [], CPU_BF16, True)
+    assert rec.policy == "O1-bfloat16" and "1.25x" in str(rec)
+    rec = decide(_rounds_probe((STEADY, slow), (noisy, slow), (slow, slow)), [], CPU_BF16, True)
+    assert rec.policy == "float32" and "noise" in str(rec)
+    # float16 on a CPU without float16 arithmetic: under XLA level with float32 (XLA computes it in
+    # float32), a little faster within the noise: never picked, run after run.
+    for jitter in (0.97, 1.0, 1.03):
+        f16 = [t * jitter for t in STEADY]
+        rec = decide(_rounds_probe((slow, STEADY), (slow, STEADY), (slow, f16)), [], CPU_PLAIN, False)
+        assert (rec.policy, rec.jit_compile) == ("float32", True)
+
+
+def test_compilation_within_the_noise_floor_is_kerass_default():
+    times = {("float32", False): STEADY, ("float32", True): [t * 0.98 for t in STEADY]}
+    assert choose(times, False, 1.0, 1.0).route == ("float32", False)  # 2% apart: Keras's CPU default
+    assert choose(times, True, 1.0, 1.0).route == ("float32", True)
+    times[("float32", True)] = [t * 0.9 for t in STEADY]  # 10%: the faster one, whatever the default
+    assert choose(times, False, 1.0, 1.0).route == ("float32", True)
+
+
+def _table(**routes):
+    """A RouteTable from `policy_jit=[seconds per round]` keyword arguments (jit: `tf` or `xla`)."""
+    timings = [_trials.RouteTiming(name.rsplit("_", 1)[0].replace("_", "-"), name.endswith("xla"), tuple(v), 1.0, 1)
+               for name, v in routes.items()]
+    return _trials.RouteTable(tuple(timings), batch="a batch of 8 rows")
+
+
+def test_decide_on_a_models_table():
+    beyond = _table(float32_tf=STEADY, float32_xla=[1.3] * 5, O1_bfloat16_tf=[t / 1.06 for t in STEADY],
+                    O1_bfloat16_xla=[1.4] * 5)
+    rec = decide_routes(beyond, None, [], CPU_BF16, True)
+    assert (rec.policy, rec.jit_compile) == ("O1-bfloat16", False)  # 6% beyond a 3% noise floor
+    assert rec.table.chosen == 2 and rec.table.reference == 0
+    text = str(rec)
+    assert "1.06x float32's best route" in text and "<- recommended" in text and "x float32" in text
+    within = _table(float32_tf=STEADY, float32_xla=[1.3] * 5, O1_bfloat16_tf=[t / 1.02 for t in STEADY],
+                    O1_bfloat16_xla=[1.4] * 5)
+    rec = decide_routes(within, None, [], CPU_BF16, True)
+    assert (rec.policy, rec.jit_compile) == ("float32", False) and "No half route" in str(rec)
+    # float16 over bfloat16 only when faster beyond the noise; loss scaling said.
+    both = _table(float32_tf=STEADY, O1_bfloat16_tf=[t / 2 for t in STEADY], O1_float16_tf=[t / 2.04 for t in STEADY])
+    assert decide_routes(both, None, [], CPU_BF16).policy == "O1-bfloat16"
+    clear = _table(float32_tf=STEADY, O1_bfloat16_tf=[t / 2 for t in STEADY], O1_float16_tf=[t / 2.5 for t in STEADY])
+    rec = decide_routes(clear, None, [{"name": "T4", "compute_capability": (7, 5)}], CPU_PLAIN)
+    assert rec.policy == "O1-float16" and rec.loss_scaling and "loss scale" in str(rec)
+
+
+def test_candidates_from_the_probe():
+    slow = [10.0] * 5
+    # bfloat16 0.9x float32 (kept: a model may gain where the MLP does not); float16 no faster than it.
+    probe = _rounds_probe((STEADY, slow), ([t / 0.9 for t in STEADY], slow), ([t / 0.9 for t in STEADY], slow))
+    dtypes, skipped = candidates(probe)
+    assert dtypes == ["float32", "bfloat16"] and skipped[0][0] == "float16" and "no faster" in skipped[0][1]
+    probe = _rounds_probe((STEADY, slow), ([t / 0.5 for t in STEADY], slow), ([t / 2 for t in STEADY], slow))
+    dtypes, skipped = candidates(probe)
+    assert dtypes == ["float32", "float16"] and "0.50x" in skipped[0][1]
 
 
 def test_probe_shape_from_a_model_and_bad_shape():
@@ -137,3 +210,113 @@ def test_probe_shape_from_a_model_and_bad_shape():
     assert model_shape(model) == (1024, 48, 96)  # median in: (48, 96, 32); out: (96, 32, 96)
     with pytest.raises(ValueError, match=r"shape=\(1, 2\)"):
         device.probe((1, 2))
+
+
+def _small_model():
+    keras_ = __import__("keras")
+    inputs = keras_.Input((16,))
+    h = keras_.layers.Dense(32, activation="gelu")(inputs)
+    h = keras_.layers.LayerNormalization()(h)
+    model = keras_.Model(inputs, keras_.layers.Dense(4)(h))
+    model.compile(optimizer=keras_.optimizers.AdamW(1e-3),
+                  loss=keras_.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 16)).astype("float32")
+    return model, x, x[:, :4].argmax(axis=1)
+
+
+def _state(model):
+    """What recommend must not change: weights, each layer's policy and class, the compiled state."""
+    return ([v.numpy().copy() for v in model.weights],
+            [(layer.name, type(layer), layer.dtype_policy.name) for layer in _all_layers(model)],
+            model.optimizer, int(model.optimizer.iterations.numpy()), len(model.optimizer.variables),
+            model.loss, model.train_function, model.jit_compile)
+
+
+def _all_layers(layer):
+    for sub in _compat.sublayers(layer):
+        yield sub
+        yield from _all_layers(sub)
+
+
+def _assert_same_state(before, after):
+    (w0, layers0, *rest0), (w1, layers1, *rest1) = before, after
+    assert len(w0) == len(w1) and all(np.array_equal(a, b) for a, b in zip(w0, w1))
+    assert layers0 == layers1
+    assert all(a is b or a == b for a, b in zip(rest0, rest1)), (rest0, rest1)
+
+
+def test_recommend_on_a_model_times_copies_and_leaves_the_model_as_it_was(caplog):
+    import keras
+
+    model, x, y = _small_model()
+    before, policy = _state(model), keras.config.dtype_policy().name
+    with caplog.at_level("WARNING"):
+        rec = kmix.recommend(model, x, y, batch_size=16, dtypes=("bfloat16",), budget_s=1.0, verbose=False)
+    _assert_same_state(before, _state(model))
+    assert keras.config.dtype_policy().name == policy
+    assert "retracing" not in caplog.text
+    table = rec.table
+    assert [(r.policy, r.jit_compile) for r in table.routes] == [
+        ("float32", False), ("float32", True), ("O1-bfloat16", False), ("O1-bfloat16", True)]
+    chosen = table.routes[table.chosen]
+    assert (chosen.policy, chosen.jit_compile) == (rec.policy, rec.jit_compile)
+    assert table.routes[table.reference].policy == "float32"
+    assert max(len(r.seconds) for r in table.routes) >= 5 and min(len(r.seconds) for r in table.routes) >= 2
+    assert all(s > 0 for r in table.routes for s in r.seconds) and table.batch == "a batch of 16 rows"
+    # The decision is the pure one, on the table shown.
+    again = decide_routes(dataclasses.replace(table, chosen=None), None, device.gpus(), device.cpu_features(),
+                          device.onednn_enabled())
+    assert (again.policy, again.jit_compile) == (rec.policy, rec.jit_compile)
+    text = str(rec)
+    assert "<- recommended" in text and "ms/step" in text and "median of interleaved rounds" in text
+    # The route trains as the README builds it.
+    fast = kmix.autocast(model, rec.policy, copy=True)
+    with kmix.policy_scope(rec.policy):
+        fast.compile(optimizer=kmix.wrap("adam"), loss=model.loss, jit_compile=rec.jit_compile)
+    assert np.isfinite(fast.fit(x, y, batch_size=16, epochs=1, verbose=0).history["loss"][-1])
+
+
+def test_recommend_on_a_keras_hub_classifier_built_from_arguments():
+    """A model named in no issue, as a user would pass it: a RoFormer V2 text classifier, a dataset."""
+    keras_hub = pytest.importorskip("keras_hub")
+    import keras
+
+    backbone = keras_hub.models.RoformerV2Backbone(vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=16,
+                                                   intermediate_dim=32, head_size=8)
+    model = keras_hub.models.RoformerV2TextClassifier(backbone=backbone, num_classes=3, preprocessor=None)
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x = {"token_ids": rng.integers(1, 64, (8, 12)).astype("int32"), "segment_ids": np.zeros((8, 12), "int32")}
+    y = rng.integers(0, 3, (8,))
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+    model.fit(data, epochs=1, verbose=0, shuffle=False)
+    before = _state(model)
+    rec = kmix.recommend(model, data, dtypes=["float32", "bfloat16"], budget_s=1.0, verbose=False)
+    _assert_same_state(before, _state(model))
+    assert rec.table.batch == "the dataset's first batch" and len(rec.table.routes) == 4
+    assert rec.policy in ("float32", "O1-bfloat16")
+    kmix.Policy(rec.policy)  # a spec kmix accepts as it is
+
+
+def test_recommend_says_what_it_needs():
+    import keras
+
+    model, x, y = _small_model()
+    bare = keras.Sequential([keras.Input((16,)), keras.layers.Dense(4)])
+    with pytest.raises(ValueError, match="loss=None"):
+        kmix.recommend(bare, x, y, dtypes=["float32"], verbose=False)
+    with pytest.raises(ValueError, match=r"x=ndarray, y=NoneType"):
+        kmix.recommend(model, x, dtypes=["float32"], verbose=False)
+    with pytest.raises(TypeError, match="`sample` must be a batch"):
+        kmix.recommend(model, sample=x, dtypes=["float32"], verbose=False)
+    with pytest.raises(ValueError, match="not both"):
+        kmix.recommend(model, x, y, sample=(x, y), dtypes=["float32"], verbose=False)
+    with pytest.raises(ValueError, match="`dtypes` must name"):
+        kmix.recommend(model, x, y, dtypes=["int8"], verbose=False)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        kmix.recommend(model, x, y, batch_size=0, dtypes=["float32"], verbose=False)
+    # Without data, the model only sizes the probe, and the reasons say how to time the model instead.
+    probe = device.probe((64, 16, 32), budget=0.02)
+    rec = kmix.recommend(model, probe=probe, verbose=False)
+    assert "pass x=, y=" in str(rec) and rec.table is None

@@ -1,0 +1,260 @@
+"""Trials of the user's own training step on each candidate route, for `kmix.recommend(model, ...)`.
+
+A route is a policy (`"float32"`, `"O1-bfloat16"`, `"O1-float16"`) and a
+`jit_compile`. Each is built as the README builds it, on a placed copy of
+the user's model (the model itself is never changed; see `placed_copy`):
+
+    copy = kmix.autocast(<a clone of model, with its weights>, policy)
+    with kmix.policy_scope(policy):
+        copy.compile(optimizer=kmix.wrap(<a fresh copy of the user's optimizer>),
+                     loss=<the user's loss>, jit_compile=jit_compile)
+
+then warmed up (two steps: the trace or XLA compile, and one more) and
+timed with `copy.train_on_batch(x, y)` on one batch of the user's data, in
+interleaved rounds (`kmix._timing.run_rounds`).
+"""
+
+import contextlib
+import dataclasses
+import gc
+import logging
+import time
+import warnings
+
+from kmix import _timing
+from kmix._output import format_table, progress
+
+TARGET_ROUNDS = 10  # the budget is spread so that about this many rounds fit in it
+MIN_ROUNDS = 5  # fewer ratios than this tell too little about the noise
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteTiming:
+    """One route's trial: `policy`, `jit_compile`, `seconds` (per step, one per round), `setup_s`, `steps`."""
+
+    policy: str
+    jit_compile: bool
+    seconds: tuple
+    setup_s: float
+    steps: int
+
+    @property
+    def dtype(self):
+        """The compute dtype: `"float32"`, `"bfloat16"` or `"float16"`."""
+        return self.policy.rsplit("-", 1)[-1]
+
+    @property
+    def label(self):
+        """`"O1-bfloat16, XLA"`."""
+        return f"{self.policy}, {'XLA' if self.jit_compile else 'tf.function'}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteTable:
+    """The trials behind a recommendation on the user's model.
+
+    Attributes:
+        routes: one `RouteTiming` per route timed.
+        skipped: `(dtype, reason)` for the half dtypes not timed.
+        batch: a description of the batch timed.
+        chosen: the index in `routes` of the route recommended (None before the decision).
+        reference: the index of the fastest float32 route, the ratios' baseline.
+        seconds: how long the trials took, building and compiling included.
+    """
+
+    routes: tuple
+    skipped: tuple = ()
+    batch: str = ""
+    chosen: int = None
+    reference: int = None
+    seconds: float = 0.0
+
+    def times(self):
+        """`{(dtype, jit_compile): seconds per round}`, what the decision compares."""
+        return {(r.dtype, r.jit_compile): list(r.seconds) for r in self.routes}
+
+    def __str__(self):
+        base = self.routes[self.reference].seconds if self.reference is not None else None
+        rows = []
+        for i, r in enumerate(self.routes):
+            ratio = _timing.paired(base, r.seconds)[0] if base is not None else "n/a"
+            rows.append([r.policy, "XLA" if r.jit_compile else "tf.function", _timing.median(r.seconds) * 1e3,
+                         min(r.seconds) * 1e3, f"{_timing.spread(r.seconds):.1%}", ratio, len(r.seconds),
+                         r.setup_s, "<- recommended" if i == self.chosen else ""])
+        headers = ["policy", "compiled", "ms/step", "fastest", "spread", "x float32", "rounds", "setup s", ""]
+        lines = [f"Training step of your model on {self.batch}: median of interleaved rounds "
+                 f"({self.seconds:.0f} s in all)", format_table(headers, rows)]
+        lines.append("x float32: the fastest float32 route's step over this route's, round by round (median); "
+                     "spread: interquartile range over the median.")
+        lines += [f"{dtype}: not timed: {reason}" for dtype, reason in self.skipped]
+        return "\n".join(lines)
+
+
+def first_batch(x, y, sample, batch_size):
+    """One batch `(x, y)` of tensors from what `kmix.recommend` received."""
+    import keras
+    import tensorflow as tf
+
+    if sample is not None:
+        if x is not None or y is not None:
+            raise ValueError("Pass the data as `x=`, `y=` or as `sample=`, not both. "
+                             f"Received: sample and x={type(x).__name__}, y={type(y).__name__}.")
+        if isinstance(sample, tf.data.Dataset):
+            x = sample
+        elif isinstance(sample, (tuple, list)) and len(sample) in (2, 3):
+            return _tensors(sample[0]), _tensors(sample[1]), "the batch given"
+        else:
+            raise TypeError("`sample` must be a batch `(x, y)` or a `tf.data.Dataset` of batches. "
+                            f"Received: sample of type {type(sample).__name__}.")
+    if isinstance(x, tf.data.Dataset):
+        batch = next(iter(x))
+        if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+            raise ValueError("The dataset must yield batches `(x, y)` (or `(x, y, sample_weight)`). "
+                             f"Received: an element of type {type(batch).__name__}.")
+        return _tensors(batch[0]), _tensors(batch[1]), "the dataset's first batch"
+    if x is None or y is None:
+        raise ValueError("`kmix.recommend(model, ...)` times your training step on your data: pass "
+                         f"`x=` and `y=`, `sample=(x, y)` or a dataset. Received: x={type(x).__name__}, "
+                         f"y={type(y).__name__}.")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"`batch_size` must be a positive int. Received: batch_size={batch_size!r}")
+    rows = 32 if batch_size is None else int(batch_size)
+    take = lambda t: t[:rows]  # noqa: E731
+    x, y = keras.tree.map_structure(take, x), keras.tree.map_structure(take, y)
+    shown = keras.tree.flatten(x)[0].shape[0]
+    return _tensors(x), _tensors(y), f"a batch of {shown} rows"
+
+
+def _tensors(data):
+    import keras
+    import tensorflow as tf
+
+    return keras.tree.map_structure(tf.convert_to_tensor, data)
+
+
+def training_setup(model, loss, optimizer):
+    """The loss and optimizer each route compiles with: the arguments, else the model's compile."""
+    import keras
+
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model. Received: model of type {type(model).__name__}.")
+    loss = loss if loss is not None else getattr(model, "loss", None)
+    if loss is None:
+        raise ValueError(f"kmix.recommend times the training step of model {model.name!r}, which needs its "
+                         "loss: compile the model first, or pass `loss=`. Received: loss=None.")
+    optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+    return loss, optimizer if optimizer is not None else "adam"
+
+
+def fresh_optimizer(optimizer):
+    """A new optimizer with `optimizer`'s settings (the inner one of a loss-scale optimizer)."""
+    import keras
+
+    if isinstance(optimizer, (str, dict)):
+        return keras.optimizers.get(optimizer)
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    return optimizer.__class__.from_config(optimizer.get_config())
+
+
+def placed_copy(model, policy):
+    """A copy of `model` with its weights, placed by `kmix.autocast` under `policy`; `model` untouched.
+
+    The copy is `keras.models.clone_model` (layer by layer from each layer's
+    class, so unregistered custom layers copy too) with the weights set, then
+    placed by autocast. Where cloning fails (a subclassed model without a
+    usable `get_config`), `kmix.autocast(model, policy, copy=True)` (a copy
+    through `model.save` / `load_model`) is tried, and its error raised.
+    """
+    import keras
+
+    import kmix
+
+    try:
+        clone = keras.models.clone_model(model, recursive=True)
+        clone.set_weights(model.get_weights())
+    except (TypeError, ValueError, NotImplementedError):
+        try:
+            return kmix.autocast(model, policy, copy=True)
+        except TypeError as e:
+            if "copy" not in str(e):
+                raise
+            return kmix.autocast(model, policy)  # an autocast without `copy=` returns a copy
+    return kmix.autocast(clone, policy)
+
+
+def time_routes(model, batch, loss, optimizer, routes, budget_s, verbose=True):
+    """Builds, warms up and times every route; returns a `RouteTable` (no decision yet).
+
+    Args:
+        model: the user's model (not changed).
+        batch: `(x, y, description)` from `first_batch`.
+        loss, optimizer: from `training_setup`.
+        routes: `(policy, jit_compile)` pairs.
+        budget_s: seconds for the whole trial; building and compiling come
+            first and are not cut short, the rounds share what is left.
+        verbose: progress lines on stderr.
+    """
+    import kmix
+
+    say = progress if verbose else (lambda message: None)
+    x, y, described = batch
+    start = time.perf_counter()
+    built, setup, first = {}, {}, {}
+    with _quiet_retracing(), warnings.catch_warnings():
+        warnings.filterwarnings("once", category=UserWarning)  # autocast's, about the model: once, not per route
+        for n, (policy, jit) in enumerate(routes, 1):
+            say(f"kmix.recommend: [{n}/{len(routes)}] building and compiling {policy}, "
+                f"{'XLA' if jit else 'tf.function'}")
+            begin = time.perf_counter()
+            copy = placed_copy(model, policy)
+            with kmix.policy_scope(policy):
+                copy.compile(optimizer=kmix.wrap(fresh_optimizer(optimizer)), loss=loss, jit_compile=jit)
+            step = _step(copy, x, y)
+            step()  # traces (or compiles) and builds the optimizer
+            step()
+            setup[(policy, jit)] = time.perf_counter() - begin
+            begin = time.perf_counter()
+            step()
+            first[(policy, jit)] = time.perf_counter() - begin
+            built[(policy, jit)] = step
+        left = max(budget_s - (time.perf_counter() - start), 0.0)
+        per_round = left / TARGET_ROUNDS / len(routes)
+        steps = {route: max(1, int(per_round / max(first[route], 1e-6))) for route in routes}
+        say(f"kmix.recommend: timing {len(routes)} routes in interleaved rounds ({left:.0f} s left of budget_s)")
+        rounds = _timing.run_rounds(built, steps, left, min_rounds=MIN_ROUNDS)
+    timings = tuple(RouteTiming(policy, bool(jit), tuple(rounds[(policy, jit)]), setup[(policy, jit)],
+                                steps[(policy, jit)]) for policy, jit in routes)
+    built.clear()
+    gc.collect()
+    return RouteTable(timings, batch=described, seconds=time.perf_counter() - start)
+
+
+def _step(model, x, y):
+    def step():
+        model.train_on_batch(x, y)  # returns the loss as a Python float: the device is done
+
+    return step
+
+
+class _RetracingFilter(logging.Filter):
+    def filter(self, record):
+        return "triggered tf.function retracing" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_retracing():
+    """Drops TensorFlow's retracing warning while the routes trace their copies' steps.
+
+    Keras builds each model's train step from one nested function, and
+    TensorFlow counts traces per code object: four copies traced in a row
+    read as one function retraced. Other warnings pass.
+    """
+    import tensorflow as tf
+
+    logger, quiet = tf.get_logger(), _RetracingFilter()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
