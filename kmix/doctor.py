@@ -4,12 +4,18 @@ The facts come from `kmix.device.gather_facts()`, the advice from
 `kmix.recommend()`: a short probe times a transformer MLP in float32,
 bfloat16 and float16, as a `tf.function` and under XLA, on this device, and
 the fastest safe policy and `jit_compile` are printed with the figures and
-the facts (tensor cores, CPU features, oneDNN) that explain them.
+the facts (tensor cores, CPU features, oneDNN) that explain them. On a CPU
+where oneDNN is off (TensorFlow's default on CPUs without AVX-512), it also
+measures whether `TF_ENABLE_ONEDNN_OPTS=1` would be faster (`kmix._onednn`:
+two subprocesses, interleaved) and says how to set it.
 """
 
 import argparse
+import os
 import sys
 
+from kmix import _onednn
+from kmix._output import progress
 from kmix.device import gather_facts, tensor_cores
 from kmix.recommendation import recommend
 
@@ -65,19 +71,37 @@ def why_no_gpu(facts):
             f"be missing (pip install tensorflow[and-cuda]); TensorFlow's log says which.{shown}")
 
 
-def _check_xla(tf):
-    """Compiles and runs a tiny function with XLA; "yes" or the reason it failed."""
-    try:
-        fn = tf.function(lambda x: tf.reduce_sum(tf.matmul(x, x)), jit_compile=True)
-        float(fn(tf.ones((4, 4))))
-        return "yes (a jit_compile=True function compiled and ran)"
-    except Exception as e:  # noqa: BLE001  XLA failures come as many error types
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return f"no: {type(e).__name__}: {first_line[:200]}"
+def onednn_lines(comparison):
+    """What the report says about `TF_ENABLE_ONEDNN_OPTS=1`, from a `kmix._onednn.Comparison`.
+
+    Args:
+        comparison: the measured comparison of oneDNN on and off.
+
+    Returns:
+        Lines of text: the figures, the verdict and, where it is faster, how to set it.
+    """
+    c = comparison
+    shown = lambda setting, config: (f"{config[0]}, {'XLA' if config[1] else 'tf.function'} "  # noqa: E731
+                                     f"{c.gflops(setting, config):.0f} GFLOP/s")
+    rounds = len(next(iter(c.on.values())))
+    lines = [f"TF_ENABLE_ONEDNN_OPTS=1 against =0, measured in two subprocesses in {rounds} interleaved "
+             f"rounds ({c.seconds:.0f} s), the probe's MLP step {c.shape[0]}x{c.shape[1]}x{c.shape[2]}: "
+             f"fastest with oneDNN {shown('on', c.best_on)}; without {shown('off', c.best_off)}."]
+    if not c.enabled["on"]:
+        lines.append("TensorFlow did not turn oneDNN on in the subprocess that set it: nothing to gain here.")
+    elif c.faster:
+        lines.append(f"With oneDNN on the step runs {c.ratio:.2f}x as fast (noise {c.noise:.0%}). Set it "
+                     "before TensorFlow starts: `export TF_ENABLE_ONEDNN_OPTS=1` in the shell, or "
+                     "`os.environ[\"TF_ENABLE_ONEDNN_OPTS\"] = \"1\"` before `import tensorflow`; then run "
+                     "`python -m kmix doctor` again: the recommended route may change with it.")
+    else:
+        lines.append(f"With oneDNN on the step runs {c.ratio:.2f}x as fast, not beyond the noise "
+                     f"({c.noise:.0%}): no reason to set it.")
+    return lines
 
 
-def format_report(facts, recommendation):
-    """The doctor's report as text."""
+def format_report(facts, recommendation, onednn=None):
+    """The doctor's report as text; `onednn` is a `kmix._onednn.Comparison` or None."""
     lines = ["Versions"]
     lines += [f"  {name:<11} {version}" for name, version in facts["versions"].items()]
     lines.append("Devices")
@@ -89,7 +113,9 @@ def format_report(facts, recommendation):
         for flag in ("avx512_bf16", "amx_bf16", "avx512_fp16"):
             lines.append(f"  {'':<11} {flag.upper():<12} {_yes(cpu[flag]) if known else 'unknown'}")
     if "onednn" in facts:
-        lines.append(f"  {'oneDNN':<11} {'on' if facts['onednn'] else 'off'}")
+        lines.append(f"  {'oneDNN':<11} {'on' if facts['onednn'] else 'off'}" + _onednn_setting())
+    if onednn is not None:
+        lines += [f"  {'':<11} {line}" for line in onednn_lines(onednn)]
     cuda = "yes" if facts["built_with_cuda"] else "no"
     if facts["built_with_cuda"]:
         cuda += f" (CUDA {facts['cuda'] or '?'}, cuDNN {facts['cudnn'] or '?'})"
@@ -121,6 +147,13 @@ def format_report(facts, recommendation):
     return "\n".join(lines)
 
 
+def _onednn_setting():
+    value = os.environ.get("TF_ENABLE_ONEDNN_OPTS")
+    if value is None:
+        return " (TF_ENABLE_ONEDNN_OPTS unset: TensorFlow's default for this CPU)"
+    return f" (TF_ENABLE_ONEDNN_OPTS={value!r})"
+
+
 def _yes(flag):
     return {True: "yes", False: "no", None: "unknown"}.get(flag, "yes" if flag else "no")
 
@@ -133,9 +166,19 @@ def main(argv=None):
         "support, CPU features, XLA availability, and the policy and jit_compile kmix.recommend() "
         "measures to be the fastest safe route on this device.",
     )
-    parser.parse_args(argv)
+    parser.add_argument("--onednn-check", action=argparse.BooleanOptionalAction, default=None,
+                        help="measure whether TF_ENABLE_ONEDNN_OPTS=1 would be faster, in two subprocesses "
+                        "(about 20 s). Default: on a CPU-only machine where oneDNN is off")
+    args = parser.parse_args(argv)
     facts = gather_facts()
     recommendation = recommend()
-    print(format_report(facts, recommendation))
+    check = args.onednn_check
+    if check is None:
+        check = not facts["gpus"] and not facts["onednn"]
+    comparison = None
+    if check:
+        progress("doctor: timing the probe with TF_ENABLE_ONEDNN_OPTS=1 and =0, in two subprocesses")
+        comparison = _onednn.compare()
+    print(format_report(facts, recommendation, comparison))
     sys.stdout.flush()
-    return {"facts": facts, "recommendation": recommendation}
+    return {"facts": facts, "recommendation": recommendation, "onednn": comparison}

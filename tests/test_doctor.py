@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 import kmix
+from kmix import _timing
 from kmix import doctor
 from kmix.recommendation import Recommendation
 
@@ -98,3 +99,43 @@ def test_doctor_with_cuda_visible_devices_empty_says_why(monkeypatch, capsys):
     no_gpu = not tf.config.list_physical_devices("GPU")
     assert ("CUDA_VISIBLE_DEVICES is set to ''" in out) is (no_gpu and tf.test.is_built_with_cuda())
     assert ("TF32        not applicable (no GPU" in out) is no_gpu
+
+
+def _comparison(ratio_on, noise_rounds=(1.0, 1.0, 1.0), enabled_on=True):
+    """A Comparison where oneDNN on runs `ratio_on` times as fast as off, round by round."""
+    from kmix import _onednn
+
+    off = {config: [0.1 * r for r in noise_rounds] for config in _onednn.CONFIGS}
+    on = {config: [0.1 / ratio_on for _ in noise_rounds] for config in _onednn.CONFIGS}
+    on[("bfloat16", False)] = [t / 1.5 for t in on[("bfloat16", False)]]  # the fastest with oneDNN
+    best_on, best_off = ("bfloat16", False), ("float32", False)
+    ratio, noise = _timing.paired(off[best_off], on[best_on])
+    return _onednn.Comparison(on, off, best_on, best_off, ratio, noise, (1024, 512, 2048), 12.0,
+                              {"on": enabled_on, "off": False})
+
+
+def test_onednn_lines_say_whether_to_set_it_and_how():
+    faster = "\n".join(doctor.onednn_lines(_comparison(1.2)))  # 1.8x with bfloat16
+    assert "runs 1.80x as fast" in faster and "export TF_ENABLE_ONEDNN_OPTS=1" in faster
+    assert "before `import tensorflow`" in faster and "bfloat16, tf.function" in faster
+    assert "3 interleaved rounds" in faster and "two subprocesses" in faster
+    noisy = "\n".join(doctor.onednn_lines(_comparison(0.6, noise_rounds=(1.0, 1.6, 0.7))))
+    assert "not beyond the noise" in noisy and "export" not in noisy
+    refused = "\n".join(doctor.onednn_lines(_comparison(1.2, enabled_on=False)))
+    assert "did not turn oneDNN on" in refused and "export" not in refused
+    report = doctor.format_report({**_facts([], built_with_cuda=False), "onednn": False},
+                                  _recommendation("float32", True), _comparison(1.2))
+    assert "oneDNN      off" in report and "export TF_ENABLE_ONEDNN_OPTS=1" in report
+
+
+def test_onednn_comparison_runs_two_workers_interleaved():
+    """Both settings for real, on a small step: each worker's TensorFlow has oneDNN as it was asked."""
+    from kmix import _onednn
+
+    result = _onednn.compare(shape=(64, 32, 64), rounds=2)
+    assert result.enabled["off"] is False
+    assert set(result.on) == set(result.off) == set(_onednn.CONFIGS)
+    assert all(len(v) == 2 and min(v) > 0 for v in [*result.on.values(), *result.off.values()])
+    assert result.best_on in _onednn.CONFIGS and result.ratio > 0 and result.noise >= _timing.NOISE_FLOOR
+    lines = doctor.onednn_lines(result)
+    assert lines[0].startswith("TF_ENABLE_ONEDNN_OPTS=1 against =0") and "64x32x64" in lines[0]

@@ -1,0 +1,146 @@
+"""Would `TF_ENABLE_ONEDNN_OPTS=1` be faster here? Measured in two subprocesses, interleaved.
+
+TensorFlow reads `TF_ENABLE_ONEDNN_OPTS` once, when it starts, and turns
+oneDNN on by default only on some CPUs (AVX-512 and the like). So the
+question cannot be answered inside one process: `compare` starts two
+workers, one with oneDNN on and one with it off, each of which builds the
+probe's MLP training step (`kmix.device._train_step`) in float32 and
+bfloat16, as a `tf.function` and under XLA, and then times one call of each
+per round when asked. The parent asks them in turn, round after round, so
+that drift on the machine hits both alike, and compares each setting's
+fastest configuration round by round (`kmix._timing.paired`).
+
+    >>> result = compare()
+    >>> result.ratio, result.noise     # > 1 + noise: oneDNN on is faster
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+from kmix import _timing
+
+CONFIGS = (("float32", False), ("float32", True), ("bfloat16", False), ("bfloat16", True))
+SHAPE = (1024, 512, 2048)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """oneDNN on against off on the probe's step.
+
+    Attributes:
+        on, off: `{(dtype, jit_compile): [seconds per round]}` per setting.
+        best_on, best_off: each setting's fastest configuration (median).
+        ratio: round by round, best_off's seconds over best_on's (median; above 1: on is faster).
+        noise: the spread of those ratios (at least `kmix._timing.NOISE_FLOOR`).
+        shape: the probe's `(m, k, n)`.
+        seconds: how long it took, the workers' start included.
+        enabled: `{"on": bool, "off": bool}`: whether each worker's TensorFlow
+            did run with oneDNN (it can refuse on some CPUs).
+    """
+
+    on: dict
+    off: dict
+    best_on: tuple
+    best_off: tuple
+    ratio: float
+    noise: float
+    shape: tuple
+    seconds: float
+    enabled: dict
+
+    @property
+    def faster(self):
+        """Whether oneDNN on is faster beyond the noise."""
+        return self.ratio > 1 + self.noise
+
+    def gflops(self, setting, config):
+        """GFLOP/s of `config` under `setting` ("on" or "off"), from its median round."""
+        m, k, n = self.shape
+        return 12 * m * k * n / _timing.median(getattr(self, setting)[config]) / 1e9
+
+
+def compare(shape=SHAPE, rounds=7, timeout=300):
+    """Times the probe's step with oneDNN on and off, in two workers, interleaved; returns a `Comparison`."""
+    start = time.perf_counter()
+    workers = {setting: _start(setting, shape) for setting in ("on", "off")}
+    try:
+        enabled = {setting: _read(worker, timeout)["ready"] for setting, worker in workers.items()}
+        times = {setting: {config: [] for config in CONFIGS} for setting in workers}
+        for r in range(rounds):
+            for setting in (("on", "off") if r % 2 == 0 else ("off", "on")):
+                worker = workers[setting]
+                worker.stdin.write("round\n")
+                worker.stdin.flush()
+                for key, seconds in _read(worker, timeout).items():
+                    dtype, jit = key.split(":")
+                    times[setting][(dtype, jit == "xla")].append(seconds)
+    finally:
+        for worker in workers.values():
+            _stop(worker)
+    best = {s: min(CONFIGS, key=lambda c: _timing.median(times[s][c])) for s in times}
+    ratio, noise = _timing.paired(times["off"][best["off"]], times["on"][best["on"]])
+    return Comparison(times["on"], times["off"], best["on"], best["off"], ratio, noise, tuple(shape),
+                      time.perf_counter() - start, enabled)
+
+
+def _start(setting, shape):
+    env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": "1" if setting == "on" else "0", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    code = f"from kmix import _onednn; _onednn.serve({tuple(shape)!r})"
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+
+
+def _read(worker, timeout):
+    begin = time.perf_counter()
+    line = worker.stdout.readline()
+    if not line:
+        raise RuntimeError(f"the oneDNN worker stopped (exit status {worker.wait(timeout)}) after "
+                           f"{time.perf_counter() - begin:.0f} s")
+    return json.loads(line)
+
+
+def _stop(worker):
+    if worker.poll() is None:
+        try:
+            worker.stdin.write("quit\n")
+            worker.stdin.flush()
+            worker.wait(30)
+        except (OSError, subprocess.TimeoutExpired):
+            worker.kill()
+            worker.wait()
+
+
+def serve(shape):
+    """The worker: builds the step per configuration, then times one call of each per "round" line."""
+    import functools
+
+    import tensorflow as tf
+
+    from kmix import device
+
+    m, k, n = shape
+    gen = tf.random.Generator.from_seed(0)
+    tensors32 = (gen.normal((m, k)), gen.normal((k, n), stddev=k**-0.5), tf.zeros((n,)),
+                 gen.normal((n, k), stddev=n**-0.5))
+    calls = {}
+    for dtype, jit in CONFIGS:
+        fn = tf.function(functools.partial(device._train_step), jit_compile=jit)  # see device._probe
+        args = [tf.cast(t, dtype) for t in tensors32]
+        calls[f"{dtype}:{'xla' if jit else 'tf'}"] = functools.partial(lambda f, a: f(*a).numpy(), fn, args)
+    for call in calls.values():
+        call()
+        call()
+    print(json.dumps({"ready": device.onednn_enabled()}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "round":
+            break
+        times = {}
+        for key, call in calls.items():
+            begin = time.perf_counter()
+            call()
+            times[key] = time.perf_counter() - begin
+        print(json.dumps(times), flush=True)
