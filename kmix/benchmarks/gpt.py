@@ -14,6 +14,7 @@ import tensorflow as tf
 import kmix
 
 
+@keras.saving.register_keras_serializable(package="kmix_benchmarks")  # autocast checks the model reloads
 class PositionEmbedding(keras.layers.Layer):
     """Adds a trained embedding of each position to `(batch, seq, d_model)` inputs."""
 

@@ -11,7 +11,9 @@ A route is a dtype policy and a stack:
   `auto_mixed_precision` on a GPU), set only while this route runs;
 - `recommended`: what `kmix.recommend()` picks on this device: the float32
   model (kmix stack), `kmix.autocast(model, rec.policy)`, compiled inside
-  `kmix.policy_scope(rec.policy)` with `kmix.wrap` and `rec.jit_compile`.
+  `kmix.policy_scope(rec.policy)` with `kmix.wrap` and `rec.jit_compile`;
+- `recommend(model)`: the same, with the route `kmix.recommend(model, sample=...)`
+  measured on this model's own training step (`recommend_on_model`).
 
 The models are the GPT-style decoder of `kmix.benchmarks.gpt` and
 `keras.applications.ResNet50(weights=None)` at a small input size.
@@ -26,7 +28,8 @@ import tensorflow as tf
 import kmix
 from kmix.benchmarks import gpt
 
-STACKS = ("keras", "kmix", "tf-rewrite", "recommended")
+STACKS = ("keras", "kmix", "tf-rewrite", "recommended", "recommend(model)")
+PLACED = ("recommended", "recommend(model)")  # the stacks built in float32 and placed by kmix.autocast
 MODELS = ("gpt", "resnet50")
 
 
@@ -84,7 +87,29 @@ def build(model_name, size, stack):
     raise ValueError(f"`model_name` must be one of {MODELS}. Received: model_name={model_name!r}")
 
 
-def _loss(model_name):
+def recommend_on_model(model_name, size, budget_s, probe=None):
+    """`kmix.recommend(model, sample=...)` on the float32 model (kmix stack), as a user would call it.
+
+    The model is compiled as a user's float32 model would be (AdamW, the
+    benchmark's loss, Keras's default compile); recommend times copies of it.
+
+    Args:
+        model_name, size: see `build`.
+        budget_s: `kmix.recommend`'s.
+        probe: the `kmix.device.Probe` that picks the half dtypes to time
+            (None: `kmix.recommend` measures the default one).
+
+    Returns:
+        The `kmix.Recommendation`, with its `table` of routes.
+    """
+    with kmix.policy_scope("float32"):
+        model, data, _ = build(model_name, size, "kmix")
+    model.compile(optimizer=keras.optimizers.AdamW(1e-4), loss=loss_for(model_name))
+    return kmix.recommend(model, sample=data, budget_s=budget_s, probe=probe)
+
+
+def loss_for(model_name):
+    """The loss the benchmarks train `model_name` with."""
     if model_name == "gpt":
         return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     return keras.losses.SparseCategoricalCrossentropy()
@@ -107,16 +132,16 @@ class Route:
         if stack not in STACKS:
             raise ValueError(f"`stack` must be one of {STACKS}. Received: stack={stack!r}")
         self.policy, self.stack = policy, stack
-        build_policy = "float32" if stack in ("tf-rewrite", "recommended") else policy
+        build_policy = "float32" if stack == "tf-rewrite" or stack in PLACED else policy
         with kmix.policy_scope(build_policy):
             model, self.data, self.items = build(model_name, size, "keras" if stack in ("keras", "tf-rewrite") else "kmix")
-        if stack == "recommended":
+        if stack in PLACED:
             model = kmix.autocast(model, policy)
         optimizer = keras.optimizers.AdamW(1e-4)
         with kmix.policy_scope(policy if stack != "tf-rewrite" else "float32"):
-            if stack in ("kmix", "recommended"):
+            if stack == "kmix" or stack in PLACED:
                 optimizer = kmix.wrap(optimizer)
-            model.compile(optimizer=optimizer, loss=_loss(model_name), jit_compile=jit_compile)
+            model.compile(optimizer=optimizer, loss=loss_for(model_name), jit_compile=jit_compile)
         self.model = model
         self.jit_compile = bool(model.jit_compile)
         self.loss = None

@@ -14,7 +14,11 @@ The routes (see `kmix.benchmarks.routes`), in table order:
   kmix's safety costs, and what its fused Adam update gains, which the
   float32 row shows alone);
 - the policy `kmix.recommend()` picks, `recommended`: `kmix.autocast` +
-  `kmix.wrap` + the recommended `jit_compile`, the route the README gives.
+  `kmix.wrap` + the recommended `jit_compile`, the route the README gives;
+- the route `kmix.recommend(model, sample=...)` picks from timing this
+  model's own training step, `recommend(model)`, built the same way. Its
+  table of routes is printed, with its ratio to Keras's default float32
+  compile and to the fastest row.
 
 `--jit both` adds every policy row under XLA as well. The model is the
 GPT-style decoder of `kmix.benchmarks.gpt` (`--model gpt`, the default: at
@@ -46,7 +50,7 @@ import tensorflow as tf
 import kmix
 from kmix.benchmarks.common import format_table, progress, time_call
 from kmix.benchmarks.gpt import build_model, compile_model, make_dataset, model_flops_per_token
-from kmix.benchmarks.routes import MODELS, Route, rewrite_option as rewrite_key
+from kmix.benchmarks.routes import MODELS, Route, recommend_on_model, rewrite_option as rewrite_key
 
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 HEADERS = ["policy", "stack", "compiled", "ms/step", "items/s", "TFLOP/s", "peak mem",
@@ -54,13 +58,14 @@ HEADERS = ["policy", "stack", "compiled", "ms/step", "items/s", "TFLOP/s", "peak
 AUTO = "auto"  # Keras's default jit_compile
 
 
-def configurations(policies, jit_modes, recommendation=None):
+def configurations(policies, jit_modes, recommendation=None, model_recommendation=None):
     """The `(policy, stack, jit_compile)` triples one run measures, in table order.
 
     Args:
         policies: the policies of the keras and kmix rows (`POLICIES` by default).
         jit_modes: a list of `"auto"`, False and/or True.
-        recommendation: a `kmix.Recommendation` for the last row, or None.
+        recommendation: a `kmix.Recommendation` for the `recommended` row, or None.
+        model_recommendation: `kmix.recommend(model, ...)`'s, for the last row, or None.
     """
     configs = []
     for jit in jit_modes:
@@ -71,6 +76,8 @@ def configurations(policies, jit_modes, recommendation=None):
         configs += [(p, "kmix", jit) for p in policies]
     if recommendation is not None:
         configs.append((recommendation.policy, "recommended", recommendation.jit_compile))
+    if model_recommendation is not None:
+        configs.append((model_recommendation.policy, "recommend(model)", model_recommendation.jit_compile))
     return configs
 
 
@@ -269,6 +276,21 @@ def format_rows(results):
     return rows
 
 
+def summary_line(results):
+    """The `recommend(model)` row against Keras's default float32 compile and the fastest row."""
+    row = next((r for r in results if r["stack"] == "recommend(model)"), None)
+    base = next((r for r in results if r["policy"] == "float32" and r["stack"] == "keras"), None)
+    if row is None:
+        return ""
+    fastest = min(results, key=lambda r: r["step_seconds"])
+    label = lambda r: f"{r['policy']}, {r['stack']}, {'XLA' if r['jit_compile'] else 'tf.function'}"  # noqa: E731
+    against_base = (f"{base['step_seconds'] / row['step_seconds']:.2f}x Keras's default float32 compile, "
+                    if base else "")
+    return (f"kmix.recommend(model) chose {row['policy']}, {'XLA' if row['jit_compile'] else 'tf.function'}: "
+            f"{against_base}{fastest['step_seconds'] / row['step_seconds']:.2f}x the fastest row "
+            f"({label(fastest)}) in this table.")
+
+
 def _bytes(n):
     if n is None:
         return "n/a"
@@ -309,8 +331,9 @@ def main(argv=None):
     Returns:
         A dict: `results` (one dict per route, see `measure_all`), `rows`
         (the table's rows, in `HEADERS` order), `recommendation` (the
-        `kmix.Recommendation` of the last row, or None with `--no-recommended`),
-        `max_batch` (`{policy: (batch, capped)}`, empty unless measured),
+        `kmix.Recommendation` of the `recommended` row, or None with `--no-recommended`),
+        `model_recommendation` (`kmix.recommend(model, ...)`'s, with its `table`, or None
+        with `--no-recommend-model`), `max_batch` (`{policy: (batch, capped)}`, empty unless measured),
         `plot` (the PNG's path or None).
 
     Example:
@@ -338,6 +361,11 @@ def main(argv=None):
                         "tf.function (off), XLA (on) or both; default auto")
     parser.add_argument("--recommended", action=argparse.BooleanOptionalAction, default=True,
                         help="add the route kmix.recommend() picks on this device (default on)")
+    parser.add_argument("--recommend-model", action=argparse.BooleanOptionalAction, default=True,
+                        help="add the route kmix.recommend(model, sample=...) picks from timing this model's "
+                        "own step, and print its table (default on)")
+    parser.add_argument("--recommend-budget", type=float, default=30.0,
+                        help="budget_s of kmix.recommend(model, ...); default 30 (--quick: 3)")
     parser.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
                         help="enable (--tf32) or disable (--no-tf32) TF32 float32 matmuls on "
                         "compute capability 8.0+; default: TensorFlow's setting (enabled)")
@@ -364,6 +392,7 @@ def main(argv=None):
     if args.quick:
         args.layers, args.d_model, args.heads, args.seq, args.batch = 1, 16, 2, 16, 2
         args.vocab, args.steps, args.rounds, args.image = 64, 2, 1, 32
+        args.recommend_budget = min(args.recommend_budget, 3.0)
     if args.d_model % args.heads:
         parser.error(f"--heads must divide --d-model; received --d-model {args.d_model} --heads {args.heads}")
     for name in ("layers", "d_model", "heads", "seq", "batch", "vocab", "steps", "rounds"):
@@ -382,7 +411,13 @@ def main(argv=None):
     if args.recommended:
         progress("kmix.recommend(): probing this device")
         recommendation = kmix.recommend(probe=kmix.device.probe((64, 16, 32), budget=0.02) if args.quick else None)
-    configs = configurations(policies, jit_modes, recommendation)
+    model_recommendation = None
+    if args.recommend_model:
+        progress(f"kmix.recommend(model, ...): timing this model's own step on each route "
+                 f"(budget_s={args.recommend_budget:g})")
+        model_recommendation = recommend_on_model(args.model, size, args.recommend_budget,
+                                                  recommendation.probe if recommendation else None)
+    configs = configurations(policies, jit_modes, recommendation, model_recommendation)
     device = gpu_name()
     where = tf.config.experimental.get_device_details(
         tf.config.list_physical_devices("GPU")[0]).get("device_name", "GPU") if device else \
@@ -409,6 +444,10 @@ def main(argv=None):
           "(Keras's default compile) / this one's.")
     if recommendation is not None:
         print(recommendation)
+    if model_recommendation is not None:
+        print("kmix.recommend(model, ...) on this model:")
+        print(model_recommendation)
+        print(summary_line(results))
     for row in results:
         if row["stack"] == "tf-rewrite":
             print(f"tf-rewrite: tf.config.optimizer.set_experimental_options({{{rewrite_key()!r}: True}}) "
@@ -438,8 +477,8 @@ def main(argv=None):
         path = plot(results, args.plot)
         print(f"Plot saved to {os.path.abspath(path)}")
     progress(f"done in {time.perf_counter() - start:.0f} s")
-    return {"results": results, "rows": rows, "recommendation": recommendation, "max_batch": max_batch,
-            "plot": path}
+    return {"results": results, "rows": rows, "recommendation": recommendation,
+            "model_recommendation": model_recommendation, "max_batch": max_batch, "plot": path}
 
 
 if __name__ == "__main__":

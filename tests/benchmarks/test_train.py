@@ -26,6 +26,9 @@ def test_configurations_in_table_order():
         ("mixed_float16", "kmix", "auto"),
         ("mixed_bfloat16", "recommended", False),
     ]
+    # recommend(model)'s route is the last row.
+    assert train.configurations(["float32"], [True], _rec(), _rec("float32", True))[-2:] == [
+        ("mixed_bfloat16", "recommended", False), ("float32", "recommend(model)", True)]
     # Both compilations: every keras and kmix row twice, the rewrite and the recommendation once.
     assert len(train.configurations(train.POLICIES, [False, True], _rec())) == 14
     assert train.configurations(["mixed_bfloat16"], [True]) == [("mixed_bfloat16", "keras", True),
@@ -100,9 +103,12 @@ def test_quick_run_prints_every_route(tmp_path, capsys):
         keras.config.set_dtype_policy("float32")
     text = capsys.readouterr().out
     assert "TF32 off" in text
-    rec = out["recommendation"]
+    rec, model_rec = out["recommendation"], out["model_recommendation"]
     assert isinstance(rec, kmix.Recommendation) and str(rec) in text
-    expected = train.configurations(train.POLICIES, ["auto"], rec)
+    # recommend(model): its table of routes on this model, and its row against Keras's and the fastest.
+    assert model_rec.table is not None and str(model_rec) in text
+    assert "kmix.recommend(model) chose" in text and "Keras's default float32 compile" in text
+    expected = train.configurations(train.POLICIES, ["auto"], rec, model_rec)
     auto_jit = bool(tf.config.list_physical_devices("GPU"))  # Keras's "auto": XLA only with a GPU
     resolved = [(p, s, auto_jit if j == "auto" else j) for p, s, j in expected]
     assert [(r["policy"], r["stack"], r["jit_compile"]) for r in out["results"]] == resolved
@@ -129,6 +135,17 @@ def test_quick_run_prints_every_route(tmp_path, capsys):
     assert out["plot"] == path and os.path.exists(path)
     # The rewrite was on only while its route ran.
     assert not tf.config.optimizer.get_experimental_options().get(routes.rewrite_option(), False)
+
+
+def test_summary_line_against_keras_and_the_fastest_row():
+    def result(policy, stack, jit, seconds):
+        return {"policy": policy, "stack": stack, "jit_compile": jit, "step_seconds": seconds}
+
+    line = train.summary_line([result("float32", "keras", False, 0.4), result("mixed_bfloat16", "kmix", False, 0.2),
+                               result("mixed_bfloat16", "recommend(model)", False, 0.25)])
+    assert line == ("kmix.recommend(model) chose mixed_bfloat16, tf.function: 1.60x Keras's default float32 "
+                    "compile, 0.80x the fastest row (mixed_bfloat16, kmix, tf.function) in this table.")
+    assert train.summary_line([result("float32", "keras", False, 0.4)]) == ""
 
 
 def test_measure_alone_and_interleaved_give_the_same_figures_shape():
