@@ -4,7 +4,7 @@ TensorFlow reads `TF_ENABLE_ONEDNN_OPTS` once, when it starts, and turns
 oneDNN on by default only on some CPUs (AVX-512 and the like). So the
 question cannot be answered inside one process: `compare` starts two
 workers, one with oneDNN on and one with it off, each of which builds the
-probe's MLP training step (`kmix.device._train_step`) in float32 and
+probe's MLP training step (`kmix.mlp_probe._train_step`) in float32 and
 bfloat16, as a `tf.function` and under XLA, and then times one call of each
 per round when asked. The parent asks them in turn, round after round, so
 that drift on the machine hits both alike, and compares each setting's
@@ -120,7 +120,7 @@ def serve(shape):
 
     import tensorflow as tf
 
-    from kmix import device
+    from kmix import device, mlp_probe
 
     m, k, n = shape
     gen = tf.random.Generator.from_seed(0)
@@ -128,7 +128,7 @@ def serve(shape):
                  gen.normal((n, k), stddev=n**-0.5))
     calls = {}
     for dtype, jit in CONFIGS:
-        fn = tf.function(functools.partial(device._train_step), jit_compile=jit)  # see device._probe
+        fn = tf.function(functools.partial(mlp_probe._train_step), jit_compile=jit)  # see mlp_probe._probe
         args = [tf.cast(t, dtype) for t in tensors32]
         calls[f"{dtype}:{'xla' if jit else 'tf'}"] = functools.partial(lambda f, a: f(*a).numpy(), fn, args)
     for call in calls.values():

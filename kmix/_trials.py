@@ -23,9 +23,11 @@ import warnings
 
 from kmix import _timing
 from kmix._output import format_table, progress
+from kmix.mlp_probe import DTYPES
 
 TARGET_ROUNDS = 10  # the budget is spread so that about this many rounds fit in it
 MIN_ROUNDS = 5  # fewer ratios than this tell too little about the noise
+CANDIDATE = 0.85  # a half dtype is timed on the model when the probe ran it at least this fast as float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +90,33 @@ class RouteTable:
                      "spread: interquartile range over the median.")
         lines += [f"{dtype}: not timed: {reason}" for dtype, reason in self.skipped]
         return "\n".join(lines)
+
+
+def candidates(probe):
+    """The dtypes worth timing on a model, from a probe: `(dtypes, [(dtype, why not), ...])`."""
+    f32 = probe.best("float32")[0]
+    chosen, skipped = ["float32"], []
+    for half in ("bfloat16", "float16"):
+        rate = max((probe.rate(half, jit) for jit in (False, True) if (half, jit) not in probe.screened),
+                   default=0.0)
+        if rate < CANDIDATE * f32:
+            skipped.append((half, f"the probe ran it at {rate / f32:.2f}x float32's best "
+                                  f"({rate:.0f} against {f32:.0f} GFLOP/s), under {CANDIDATE}x"))
+        elif half == "float16" and "bfloat16" in chosen and rate <= probe.best("bfloat16")[0]:
+            skipped.append((half, f"no faster than bfloat16 on the probe ({rate:.0f} against "
+                                  f"{probe.best('bfloat16')[0]:.0f} GFLOP/s), which needs no loss scaling"))
+        else:
+            chosen.append(half)
+    return chosen, skipped
+
+
+def check_dtypes(dtypes):
+    """`dtypes` as `recommend` times them: float32 (the reference) first, then the halves named."""
+    dtypes = [dtypes] if isinstance(dtypes, str) else list(dtypes)
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown or not dtypes:
+        raise ValueError(f"`dtypes` must name some of {DTYPES}. Received: dtypes={dtypes!r}")
+    return ["float32"] + [d for d in DTYPES[1:] if d in dtypes]  # float32 is the reference
 
 
 def first_batch(x, y, sample, batch_size):

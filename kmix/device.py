@@ -4,11 +4,11 @@ Facts explain; the probe decides. The facts are the GPUs' compute
 capabilities (and so their tensor cores), the CPU's model and the features
 that matter for half precision (AVX512_BF16, AMX-BF16, AVX512_FP16, read
 from `/proc/cpuinfo` where it exists, "unknown" elsewhere), and whether
-TensorFlow runs its CPU kernels through oneDNN. The probe times the
-training step of a transformer's MLP (`x + gelu(x @ w1 + b1) @ w2`, forward
-and backward: six matmuls, a bias, a GELU and a residual add) in float32,
-bfloat16 and float16, as a `tf.function` and under XLA, on the device TensorFlow places it on; a few
-seconds in all, cached per process and size.
+TensorFlow runs its CPU kernels through oneDNN. The probe
+(`kmix.mlp_probe`, re-exported here as `probe` and `Probe`) times the
+training step of a transformer's MLP in float32, bfloat16 and float16, as
+a `tf.function` and under XLA, all at one size in interleaved rounds; a
+few seconds in all, cached per process and size.
 
     >>> from kmix import device
     >>> device.cpu_features()["avx512_bf16"]
@@ -16,17 +16,13 @@ seconds in all, cached per process and size.
     >>> print(device.probe())       # GFLOP/s per dtype, tf.function and XLA
 """
 
-import dataclasses
-import functools
 import os
 import platform
-import time
 
-from kmix import _timing
+from kmix.mlp_probe import DTYPES, SCREEN, Probe, plan_rows, probe  # noqa: F401  (the probe, re-exported)
 
 FLOAT16_TENSOR_CORES = (7, 0)  # Volta
 BFLOAT16_TENSOR_CORES = (8, 0)  # Ampere
-DTYPES = ("float32", "bfloat16", "float16")
 CPU_FLAGS = {  # /proc/cpuinfo flag -> what it gives half precision
     "avx512_bf16": "bfloat16 dot products (oneDNN's bfloat16 matmuls)",
     "amx_bf16": "AMX bfloat16 tiles (Sapphire Rapids and later)",
@@ -120,193 +116,34 @@ def fast_bfloat16():
     return bool(cpu["avx512_bf16"] or cpu["amx_bf16"]) and onednn_enabled()
 
 
-@dataclasses.dataclass(frozen=True)
-class Probe:
-    """Measured throughput of a transformer MLP's training step per dtype and compilation.
-
-    Attributes:
-        device: where it ran (`"CPU"` or a GPU's name).
-        shape: `(m, k, n)`: `x + gelu(x @ w1 + b1) @ w2` with `x` of shape
-            `(m, k)`, `w1` of shape `(k, n)` and `w2` of shape `(n, k)`.
-        gflops: `{(dtype, jit_compile): GFLOP/s}` (matmul FLOPs, forward
-            and backward, `12*rows*k*n` per step, over the median round), for
-            every dtype of `DTYPES` and both compilations.
-        seconds: how long the probe took.
-        rounds: `{(dtype, jit_compile): seconds of each interleaved round}`
-            for the configurations timed at `rows` (None: figures given, not
-            measured).
-        rows: the rows of `x` every timed configuration ran on: `m`, or
-            `m // 16` when a full-size call would not fit the budget.
-        screened: the configurations left out of the rounds: on a first
-            call at `m // 16` rows, all at that size, these half-precision
-            configurations ran more than `SCREEN` times slower than the
-            fastest (float16 on a CPU without float16 kernels); their
-            `gflops` are from that call.
-    """
-
-    device: str
-    shape: tuple
-    gflops: dict
-    seconds: float = 0.0
-    rounds: dict = None
-    rows: int = None
-    screened: tuple = ()
-
-    def rate(self, dtype, jit_compile):
-        """GFLOP/s of `dtype` as a `tf.function` (`jit_compile=False`) or under XLA."""
-        return self.gflops[(dtype, bool(jit_compile))]
-
-    def best(self, dtype):
-        """`(GFLOP/s, jit_compile)` of `dtype`'s faster compilation."""
-        return max((self.rate(dtype, jit), jit) for jit in (False, True))
-
-    def times(self):
-        """`{(dtype, jit_compile): seconds per round}` of the configurations compared.
-
-        The measured rounds; for figures given without rounds, one round
-        each, from the rates (the same FLOPs per call, so seconds are 1/rate).
-        """
-        if self.rounds is not None:
-            return {config: list(seconds) for config, seconds in self.rounds.items()}
-        return {config: [1.0 / max(rate, 1e-12)] for config, rate in self.gflops.items()
-                if config not in self.screened}
-
-    def __str__(self):
-        m, k, n = self.shape
-        rows = self.rows or m
-        rounds = f", median of {len(next(iter(self.rounds.values())))} interleaved rounds" if self.rounds else ""
-        lines = [f"training step of x + gelu(x @ w1 + b1) @ w2, x {rows}x{k}, w1 {k}x{n}, on {self.device} "
-                 f"({self.seconds:.1f} s{rounds}): GFLOP/s (spread)"]
-        lines.append(f"  {'dtype':<9} {'tf.function':>16} {'XLA':>16}")
-        for dtype in DTYPES:
-            lines.append(f"  {dtype:<9} {self._cell(dtype, False):>16} {self._cell(dtype, True):>16}")
-        if self.screened:
-            lines.append(f"  *: {SCREEN}x slower than the fastest on a first call at {max(1, m // 16)} rows "
-                         "(all at that size); not timed further")
-        return "\n".join(lines)
-
-    def _cell(self, dtype, jit):
-        config = (dtype, jit)
-        rate = f"{self.gflops[config]:.4g}"
-        if config in self.screened:
-            return rate + " *"
-        if self.rounds and config in self.rounds:
-            return f"{rate} ({_timing.spread(self.rounds[config]):.0%})"
-        return rate
-
-
-SCREEN = 4  # a configuration this much slower than the fastest on the first call is not timed further
-
-
-def probe(shape=None, budget=0.25):
-    """Times the training step of `x + gelu(x @ w1 + b1) @ w2` per dtype, as a `tf.function` and under XLA; cached per shape.
-
-    Every configuration is timed at the same size, in interleaved rounds
-    (`kmix._timing.run_rounds`: at least 5, each configuration once a
-    round), and its figure is the median round. A first call of each at
-    `m // 16` rows screens out the ones more than `SCREEN` times slower than
-    the fastest there (float16 on most CPUs), so that they cost no seconds
-    at full size.
+def describe(gpus, cpu, onednn):
+    """The device facts that explain a recommendation, as one line.
 
     Args:
-        shape: `(m, k, n)`; by default `(1024, 512, 2048)` on a CPU (a
-            d_model 512 MLP over 1024 tokens) and
-            `(8192, 4096, 4096)` on a GPU (large enough for tensor cores).
-        budget: seconds of timed rounds per configuration. When the fastest
-            configuration's call at full size would take more than this,
-            every configuration is timed at `m // 16` rows instead.
+        gpus: `gpus()`; cpu: `cpu_features()`; onednn: `onednn_enabled()` (None: unknown).
 
-    Returns:
-        A `Probe`. Six configurations, a few seconds in all on a CPU.
+    Example:
+        >>> describe([], cpu_features(), onednn_enabled())
+        'CPU: AMD EPYC; AVX512_BF16 yes, AMX-BF16 no, AVX512_FP16 no; oneDNN on; no GPU.'
     """
-    import tensorflow as tf
-
-    on_gpu = bool(tf.config.list_physical_devices("GPU"))
-    if shape is None:
-        shape = (8192, 4096, 4096) if on_gpu else (1024, 512, 2048)
-    shape = tuple(int(s) for s in shape)
-    if len(shape) != 3 or min(shape) < 1:
-        raise ValueError(f"`shape` must be three positive ints (m, k, n). Received: shape={shape!r}")
-    return _probe(shape, float(budget), on_gpu)
-
-
-@functools.lru_cache(maxsize=None)
-def _probe(shape, budget, on_gpu):
-    import tensorflow as tf
-
-    start = time.perf_counter()
-    m, k, n = shape
-    gen = tf.random.Generator.from_seed(0)
-    tensors32 = (gen.normal((m, k)), gen.normal((k, n), stddev=k**-0.5), tf.zeros((n,)),
-                 gen.normal((n, k), stddev=n**-0.5))
-    tensors = {dtype: [tf.cast(t, dtype) for t in tensors32] for dtype in DTYPES}
-    # One function per configuration, each around a partial of its own: TensorFlow counts
-    # retracing per Python code object, and six functions of one lambda would warn of it.
-    fns = {(dtype, jit): tf.function(functools.partial(_train_step), jit_compile=jit)
-           for dtype in DTYPES for jit in (False, True)}
-    small_rows = max(1, m // 16)
-    first = {config: _first_call(fn, [tensors[config[0]][0][:small_rows]] + tensors[config[0]][1:])
-             for config, fn in fns.items()}
-    rows, screened = plan_rows(first, m, small_rows, budget)
-    args = {dtype: [t[0][:rows]] + t[1:] for dtype, t in tensors.items()}
-    calls = {config: functools.partial(_call, fn, args[config[0]]) for config, fn in fns.items()
-             if config not in screened}
-    for call in calls.values():  # trace at this size, and warm up
-        call()
-        call()
-    rounds = _timing.run_rounds(calls, {config: 1 for config in calls}, budget * len(calls),
-                                min_rounds=5, prune=None)
-    gflops = {config: 12 * small_rows * k * n / first[config] / 1e9 for config in screened}
-    gflops.update({config: 12 * rows * k * n / _timing.median(seconds) / 1e9 for config, seconds in rounds.items()})
-    where = gpus()[0]["name"] if on_gpu else f"CPU ({cpu_features()['model']})"
-    return Probe(where, shape, gflops, time.perf_counter() - start,
-                 {config: tuple(seconds) for config, seconds in rounds.items()}, rows, screened)
+    if gpus:
+        parts = []
+        for gpu in gpus:
+            cc = gpu["compute_capability"]
+            cores = tensor_cores(cc)
+            shown = "unknown" if cc is None else f"{cc[0]}.{cc[1]}"
+            parts.append(f"{gpu['name']} (compute capability {shown}: float16 tensor cores "
+                         f"{_yes(cores['float16'])}, bfloat16 {_yes(cores['bfloat16'])})")
+        return "GPU: " + "; ".join(parts) + "."
+    flags = ", ".join(f"{name.upper().replace('_BF16', '-BF16') if name == 'amx_bf16' else name.upper()} "
+                      f"{_yes(cpu.get(name))}" for name in ("avx512_bf16", "amx_bf16", "avx512_fp16"))
+    where = "" if cpu.get("source") else " (no /proc/cpuinfo: features unknown)"
+    dnn = {True: "on", False: "off", None: "unknown"}[onednn]
+    return f"CPU: {cpu.get('model', 'unknown')}{where}; {flags}; oneDNN {dnn}; no GPU."
 
 
-def plan_rows(first, m, small_rows, budget):
-    """`(rows, screened)`: the one size every configuration is timed at, and those left out.
-
-    Args:
-        first: `{(dtype, jit_compile): seconds}` of a call at `small_rows` rows, all at that size.
-        m: the full rows.
-        small_rows: the rows of the first calls.
-        budget: seconds a full-size call of the fastest may take.
-
-    Returns:
-        `rows` is `m` when the fastest call, scaled to `m` rows, fits
-        `budget`, else `small_rows`; `screened` the half-precision
-        configurations `SCREEN` times slower than the fastest (float32, the
-        reference every decision divides by, is never screened).
-    """
-    fastest = min(first.values())
-    screened = tuple(c for c in first if c[0] != "float32" and first[c] > SCREEN * fastest)
-    return (m if fastest * m / small_rows <= budget else small_rows), screened
-
-
-def _call(fn, args):
-    fn(*args).numpy()  # waits for the device, so the time is real
-
-
-def _first_call(fn, args):
-    """Seconds of the faster of two calls after the one that traces (or compiles)."""
-    _call(fn, args)
-    times = []
-    for _ in range(2):
-        begin = time.perf_counter()
-        _call(fn, args)
-        times.append(time.perf_counter() - begin)
-    return min(times)
-
-
-def _train_step(x, w1, b1, w2):
-    """The gradients of a float32 loss of the MLP with respect to its input and weights."""
-    import tensorflow as tf
-
-    with tf.GradientTape() as tape:
-        tape.watch([x, w1, b1, w2])
-        y = x + tf.matmul(tf.nn.gelu(tf.matmul(x, w1) + b1), w2)
-        loss = tf.reduce_mean(tf.square(tf.cast(y, tf.float32)))
-    return tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in tape.gradient(loss, [x, w1, b1, w2])])
+def _yes(flag):
+    return {True: "yes", False: "no", None: "unknown"}[flag]
 
 
 def gather_facts():

@@ -9,15 +9,17 @@ interleaved rounds, and the decision is a pure function of them
 ```
 f32  = the faster float32 compilation
 half = for each half dtype, its faster compilation; it wins when, round by round,
-       float32's step / its step > max(MIN_GAIN, 1 + noise)     # noise: the spread of those ratios
-       (float16 over bfloat16 only when faster still by FLOAT16_MARGIN, beyond the noise)
+       float32's step / its step >= min_gain and > 1 + noise   # noise: the spread of those ratios
+       (float16 over bfloat16 only when faster still by float16_margin, beyond the noise)
 route = the winning half dtype, else float32
 compilation = the faster one; within NOISE_FLOOR (3%) of each other, Keras's default (XLA only with a GPU)
 ```
 
-MIN_GAIN is 1.1 for the MLP probe (a synthetic step: an edge it shows must
-be clear to carry over) and just beyond the noise on the user's model (the
-route returned is then within the noise of the fastest measured). bfloat16
+For the MLP probe, min_gain is MIN_SPEEDUP (1.1) and float16_margin
+FLOAT16_MARGIN (1.25): a synthetic step's edge must be clear to carry over.
+On the user's model both are 1: a half route wins by anything beyond the
+measured noise, so the route returned is within the noise of the fastest
+measured. bfloat16
 is preferred over float16: it has float32's range, so it needs no loss
 scaling and does not overflow. The half policy is Apex's O1 with that dtype
 (`kmix.autocast` places matmuls in it and keeps normalization, softmax and
@@ -34,7 +36,6 @@ MIN_SPEEDUP = 1.1  # the probe: a half dtype must beat float32 by this much to b
 # The probe: float16 is chosen over bfloat16 only when this much faster: it needs loss scaling
 # and overflows at 65504, where bfloat16 has float32's range.
 FLOAT16_MARGIN = 1.25
-CANDIDATE = 0.85  # a half dtype is timed on the model when the probe ran it at least this fast as float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +85,7 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
     `train_on_batch` on one batch in interleaved rounds, and returns the
     fastest route, where a half route wins only beyond the measured noise.
     The candidates are float32 and each half dtype the device's probe ran
-    at least `CANDIDATE` times as fast as float32 (float16 only where it
+    at least `kmix._trials.CANDIDATE` times as fast as float32 (float16 only where it
     beat bfloat16), each as a `tf.function` and under XLA. `model` is not
     changed: copies are timed.
 
@@ -137,39 +138,13 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
             if verbose:
                 progress("kmix.recommend: probing this device for the half dtypes worth timing")
             probe = device.probe()
-        dtypes, skipped = candidates(probe)
+        dtypes, skipped = _trials.candidates(probe)
     else:
-        dtypes, skipped = _check_dtypes(dtypes), ()
+        dtypes, skipped = _trials.check_dtypes(dtypes), ()
     routes = [(_policy(d), jit) for d in dtypes for jit in (False, True)]
     table = _trials.time_routes(model, batch, loss, optimizer, routes, float(budget_s), verbose)
     table = dataclasses.replace(table, skipped=tuple(skipped))
     return decide_routes(table, probe, device.gpus(), device.cpu_features(), device.onednn_enabled())
-
-
-def candidates(probe):
-    """The dtypes worth timing on a model, from a probe: `(dtypes, [(dtype, why not), ...])`."""
-    f32 = probe.best("float32")[0]
-    chosen, skipped = ["float32"], []
-    for half in ("bfloat16", "float16"):
-        rate = max((probe.rate(half, jit) for jit in (False, True) if (half, jit) not in probe.screened),
-                   default=0.0)
-        if rate < CANDIDATE * f32:
-            skipped.append((half, f"the probe ran it at {rate / f32:.2f}x float32's best "
-                                  f"({_g(rate)} against {_g(f32)} GFLOP/s), under {CANDIDATE}x"))
-        elif half == "float16" and "bfloat16" in chosen and rate <= probe.best("bfloat16")[0]:
-            skipped.append((half, f"no faster than bfloat16 on the probe ({_g(rate)} against "
-                                  f"{_g(probe.best('bfloat16')[0])} GFLOP/s), which needs no loss scaling"))
-        else:
-            chosen.append(half)
-    return chosen, skipped
-
-
-def _check_dtypes(dtypes):
-    dtypes = [dtypes] if isinstance(dtypes, str) else list(dtypes)
-    unknown = [d for d in dtypes if d not in device.DTYPES]
-    if unknown or not dtypes:
-        raise ValueError(f"`dtypes` must name some of {device.DTYPES}. Received: dtypes={dtypes!r}")
-    return ["float32"] + [d for d in device.DTYPES[1:] if d in dtypes]  # float32 is the reference
 
 
 def _policy(dtype):
@@ -205,8 +180,9 @@ def choose(times, default_jit, min_gain, float16_margin):
 
     Args:
         times: `{(dtype, jit_compile): [seconds per round]}` (float32 required).
-        default_jit: the compilation kept when both are within the noise
-            (Keras's default: True with a GPU, False without).
+        default_jit: the compilation kept when both are within
+            `NOISE_FLOOR` of each other (Keras's default: True with a GPU,
+            False without).
         min_gain: the least speed-up over float32 a half dtype must show.
         float16_margin: how much faster than bfloat16 float16 must be.
 
@@ -252,7 +228,7 @@ def decide(probe, gpus, cpu, onednn=None):
     """
     choice = choose(probe.times(), bool(gpus), MIN_SPEEDUP, FLOAT16_MARGIN)
     (dtype, jit), (_, ref_jit) = choice.route, choice.reference
-    reasons = [_facts_line(gpus, cpu, onednn)]
+    reasons = [device.describe(gpus, cpu, onednn)]
     reasons.append(
         f"Measured on {probe.device} ({_shape(probe)}), GFLOP/s as tf.function / XLA: "
         + "; ".join(f"{d} {_g(probe.rate(d, False))} / {_g(probe.rate(d, True))}" for d in device.DTYPES)
@@ -274,10 +250,11 @@ def decide(probe, gpus, cpu, onednn=None):
         )
     else:
         _, gain, noise = choice.gains["float16"]
+        versus = probe.best("float16")[0] / max(probe.best("bfloat16")[0], 1e-9)
         reasons.append(
-            f"float16 runs {gain:.2f}x float32's best (noise {noise:.0%}) and {FLOAT16_MARGIN}x or more "
-            "bfloat16's: O1 with float16, which needs loss scaling: compile with kmix.wrap(optimizer) and "
-            "keep softmax and masks in float32 (kmix.autocast does)."
+            f"float16 runs {gain:.2f}x float32's best (noise {noise:.0%}) and {versus:.2f}x bfloat16's: O1 "
+            "with float16, which needs loss scaling: compile with kmix.wrap(optimizer) and keep softmax and "
+            "masks in float32 (kmix.autocast does)."
         )
     rate = lambda c: f"{_g(probe.rate(*c))} GFLOP/s"  # noqa: E731
     reasons.append(_compilation_line(choice.route, probe.times(), rate, bool(gpus))
@@ -302,7 +279,7 @@ def decide_routes(table, probe, gpus, cpu, onednn=None):
     table = dataclasses.replace(table, chosen=index[choice.route], reference=index[choice.reference])
     (dtype, jit), ref = choice.route, table.routes[index[choice.reference]]
     ms = lambda c: f"{_timing.median(times[c]) * 1e3:.2f} ms"  # noqa: E731
-    reasons = [_facts_line(gpus, cpu, onednn),
+    reasons = [device.describe(gpus, cpu, onednn),
                f"Timed your model's training step on {table.batch}: {len(table.routes)} routes, "
                f"{len(ref.seconds)} interleaved rounds (the table below)."]
     if dtype == "float32":
@@ -362,24 +339,3 @@ def _xla_note(dtype, jit, gpus, onednn):
         return ""
     return (" XLA:CPU does not use oneDNN's bfloat16 kernels (TensorFlow 2.21; "
             "--xla_cpu_use_onednn changes nothing), so bfloat16 wants the tf.function route.")
-
-
-def _facts_line(gpus, cpu, onednn):
-    if gpus:
-        parts = []
-        for gpu in gpus:
-            cc = gpu["compute_capability"]
-            cores = device.tensor_cores(cc)
-            shown = "unknown" if cc is None else f"{cc[0]}.{cc[1]}"
-            parts.append(f"{gpu['name']} (compute capability {shown}: float16 tensor cores "
-                         f"{_yes(cores['float16'])}, bfloat16 {_yes(cores['bfloat16'])})")
-        return "GPU: " + "; ".join(parts) + "."
-    flags = ", ".join(f"{name.upper().replace('_BF16', '-BF16') if name == 'amx_bf16' else name.upper()} "
-                      f"{_yes(cpu.get(name))}" for name in ("avx512_bf16", "amx_bf16", "avx512_fp16"))
-    where = "" if cpu.get("source") else " (no /proc/cpuinfo: features unknown)"
-    dnn = {True: "on", False: "off", None: "unknown"}[onednn]
-    return f"CPU: {cpu.get('model', 'unknown')}{where}; {flags}; oneDNN {dnn}; no GPU."
-
-
-def _yes(flag):
-    return {True: "yes", False: "no", None: "unknown"}[flag]

@@ -10,7 +10,8 @@ import tensorflow as tf
 
 import kmix
 from kmix import _compat, _trials, device
-from kmix.recommendation import FLOAT16_MARGIN, MIN_SPEEDUP, candidates, choose, decide, decide_routes, model_shape
+from kmix._trials import candidates
+from kmix.recommendation import FLOAT16_MARGIN, MIN_SPEEDUP, choose, decide, decide_routes, model_shape
 
 CPU_BF16 = {"model": "AMD EPYC", "source": "/proc/cpuinfo", "avx512_bf16": True, "amx_bf16": False,
             "avx512_fp16": False, "avx512f": True}
