@@ -21,7 +21,7 @@ the window sends NaN, so every replica skips).
 
 import tensorflow as tf
 
-from kmix.optimizers import allreduce, replicas
+from kmix.optimizers import allreduce, counters, replicas
 
 
 def create_state(opt, var_list):
@@ -76,7 +76,7 @@ def _finish(opt, end, window, count, scale):
         clean = tf.equal(tf.reduce_sum(window), 0.0)
         means = [acc / divisor if on else None for acc, on in zip(opt._accumulators, opt._accumulated)]
         opt._apply_if(tf.logical_and(end, clean), means, opt._model_variables)
-        opt._update_state(clean, window, scale, active=end)
+        counters.record_step(opt, clean, window, scale, active=end)
         opt._settle_state(tf.logical_and(end, clean), tf.logical_and(end, tf.logical_not(clean)))
     for acc in opt._accumulators:
         acc.assign(tf.where(end, tf.zeros_like(acc), acc))
@@ -93,8 +93,8 @@ def _reduce_and_apply(opt, window, divisor, scale):
     means = [acc * (scale / divisor) if on else None for acc, on in zip(opt._accumulators, opt._accumulated)]
     bad = [window[i] > 0 for i in range(len(means))]
     sums = allreduce.all_reduce(means, opt._model_variables, opt.allreduce_dtype, poison=bad)
-    nonfinite = opt._nonfinite_per_variable(sums, opt._model_variables)
+    nonfinite = counters.nonfinite(opt, sums, opt._model_variables)
     finite = tf.equal(tf.reduce_sum(nonfinite), 0.0)
     opt._apply_if(finite, [None if s is None else s / scale for s in sums], opt._model_variables)
     opt._settle_state(finite, tf.logical_not(finite))
-    opt._update_state(finite, nonfinite, scale)
+    counters.record_step(opt, finite, nonfinite, scale)

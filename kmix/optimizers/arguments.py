@@ -87,3 +87,27 @@ def check_inner(inner):
             f"inner_optimizer={inner!r} (of type {type(inner).__name__}). Use `kmix.wrap('adam')` "
             "to create one from a name or a config."
         )
+
+
+def check_flag(name, value):
+    """`value` if it is True or False; a `TypeError` naming `name` otherwise."""
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be True or False. Received: {name}={value!r}")
+    return value
+
+
+def resolve_variables(opt, grads, trainable_variables):
+    """The variables `grads` belong to: those given, else those `opt` was built with; checked against `opt`."""
+    variables = opt._model_variables if trainable_variables is None else list(trainable_variables)
+    if len(grads) != len(variables):
+        raise ValueError(
+            f"Received {len(grads)} gradients for {len(variables)} variables; "
+            "expected one gradient (or None) per variable."
+        )
+    unknown = [getattr(v, "path", None) or v.name for v in variables if id(v) not in opt._index]
+    if unknown:
+        raise ValueError(
+            f"{type(opt).__name__} was built for other variables; received variables it "
+            f"does not know: {unknown[:5]}. Build it with every variable it will update."
+        )
+    return variables

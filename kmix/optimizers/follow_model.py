@@ -8,12 +8,18 @@ by `fit` is known to the optimizer when it is built; so at build time:
 ```
 half = float16 among the recorded compute dtypes of var_list, or among the
        compute dtypes of the model's layers that own trainable variables
-if half and the scale is fixed at 1:
-    scale chosen by wrap from the policy -> dynamic, from the advised scale or 2^15 (INFO log)
-    scale chosen by the user             -> kept; a warning says how to get scaling
+if half and the scale is fixed:
+    `dynamic` chosen by wrap from the policy -> dynamic, from the scale the caller gave,
+                                                else the advised scale, else 2^15 (INFO log)
+    `dynamic=False` from the caller, scale 1  -> kept; a warning says how to get scaling
 if dynamic and wrap chose the initial scale (no `initial_scale=`):
     start from the scale kmix.autocast(..., sample=) advised for var_list, if any
 ```
+
+Before `build` the variables are not known: `planned_scale` is the scale
+advised under the policy `wrap` ran in (what `kmix.autocast(model, level,
+sample=...)` recorded for that level), which is where `build` starts for
+that model's variables.
 """
 
 import logging
@@ -40,31 +46,33 @@ def half_compute(var_list, model=None):
 
 
 def follow(optimizer, var_list, model=None):
-    """Switches a fixed scale of 1 to dynamic loss scaling where the variables compute in float16.
+    """Switches a fixed scale to dynamic loss scaling where the variables compute in float16.
 
     Called by `LossScaleOptimizer.build` before the scale variable exists.
     """
     if optimizer.dynamic:
         start_from_advice(optimizer, var_list)
         return
-    if optimizer.initial_scale != 1.0:
-        return
     if not half_compute(var_list, model):
         return
-    policy = _active_policy_name()
-    advised = advice.initial_scale(var_list, policy)
-    scale = advised or DEFAULT_SCALE
-    if getattr(optimizer, "_scale_from_policy", False):
+    from_wrap = getattr(optimizer, "_initial_scale_from_wrap", False)
+    policy = getattr(optimizer, "_policy_name", None) or active_policy_name()
+    advised = advice.initial_scale(var_list, policy) if from_wrap else None
+    scale = advised or (DEFAULT_SCALE if from_wrap else optimizer.initial_scale)
+    if getattr(optimizer, "_dynamic_from_policy", False):
         optimizer.dynamic = True
         optimizer.initial_scale = scale
         optimizer.max_scale = max(optimizer.max_scale, scale)
+        optimizer.min_scale = min(optimizer.min_scale, scale)
         _log.info(
             "kmix: %s %r trains variables whose layers compute in float16, but was wrapped under a "
-            "policy without float16 compute (fixed scale 1): switched to dynamic loss scaling from "
+            "policy without float16 compute (fixed scale): switched to dynamic loss scaling from "
             "%g%s.", type(optimizer).__name__, optimizer.name, scale,
             " (the scale kmix.autocast advised)" if advised else "",
         )
         return
+    if optimizer.initial_scale != 1.0:
+        return  # a fixed scale the caller chose: loss scaling, as asked
     warnings.warn(
         f"{type(optimizer).__name__} {optimizer.name!r} trains variables whose layers compute in "
         "float16 with a fixed loss scale of 1, as its arguments ask (dynamic=False, "
@@ -73,6 +81,19 @@ def follow(optimizer, var_list, model=None):
         "call `kmix.wrap(opt)` inside `kmix.policy_scope(level)`.",
         stacklevel=4,
     )
+
+
+def planned_scale(optimizer):
+    """The scale an unbuilt `optimizer` will start from, as far as is known before its variables are.
+
+    `initial_scale`, or, for a dynamic scale `kmix.wrap` chose, the scale
+    `kmix.autocast(..., sample=)` advised under the policy `wrap` ran in.
+    """
+    if optimizer.dynamic and getattr(optimizer, "_initial_scale_from_wrap", False):
+        advised = advice.initial_scale(policy_name=getattr(optimizer, "_policy_name", None))
+        if advised is not None:
+            return advised
+    return optimizer.initial_scale
 
 
 def start_from_advice(optimizer, var_list):
@@ -96,7 +117,8 @@ def start_from_advice(optimizer, var_list):
               "model's sample.", type(optimizer).__name__, optimizer.name, advised)
 
 
-def _active_policy_name():
+def active_policy_name():
+    """The name of kmix's active policy (`kmix.Policy.name`), or None."""
     from kmix.policy import active_policy
 
     policy = active_policy()

@@ -1,5 +1,7 @@
 """`kmix.LossScaleOptimizer`: dynamic loss scaling with bounds, hysteresis and counters."""
 
+import functools
+
 import keras
 import tensorflow as tf
 
@@ -9,29 +11,26 @@ from kmix._compat import (
     optimizer_variable_key,
     take_gradients_as_reduced,
 )
-from kmix.optimizers import accumulation, allreduce, arguments, counters, follow_model, fused_adam, replicas
+from kmix.optimizers import accumulation, allreduce, arguments, counters, follow_model, fused_adam
 from kmix.optimizers import master_weights as mw
-from kmix.optimizers import scale_rule, scaled_check, step_routes
-from kmix.optimizers.step_routes import unscale
-
-_HALF = ("float16", "bfloat16")
+from kmix.optimizers import nontrainable, replicas, scale_rule, scaled_check
+from kmix.optimizers.scaled_check import unscale
 
 
 @keras.saving.register_keras_serializable(package="kmix")
-class LossScaleOptimizer(
-    counters.LossScaleCounters, step_routes.StepRoutes, keras.optimizers.LossScaleOptimizer
-):
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     """A `keras.optimizers.LossScaleOptimizer` with bounds, hysteresis and counters.
 
     The loss is multiplied by `loss_scale` before the backward pass so that
     small float16 gradients do not flush to zero; the gradients are divided by
     it again (in float32) before the inner optimizer sees them. On every
-    `apply(grads)`:
+    `apply(grads)` / `apply_gradients`:
 
     ```
+    scaled = the step's route (kmix.optimizers.scaled_check): scale_loss, get_unscaled_gradients, neither
     grads = all-reduce(grads)                # by kmix in `allreduce_dtype`, or by the inner optimizer
     finite = all gradients finite            # decided on the sums over all replicas
-    if finite: apply inner optimizer to grads / scale (unscaled in float32)
+    if finite: apply inner optimizer to grads / scale if scaled else grads (in float32)
     else: skip (no weight, slot, EMA or iteration changes); skipped_steps += 1
     scale, good_steps, hysteresis_left = ScaleRule(...).adjust(state, finite)
     ```
@@ -58,43 +57,32 @@ class LossScaleOptimizer(
         dynamic: `False` keeps the scale at `initial_scale`; non-finite steps
             are still skipped.
         master_weights: `True` keeps float32 copies of float16/bfloat16
-            trainable variables and lets the inner optimizer update those;
-            `False` updates the variables directly; `"auto"` (the default)
-            is `True` unless the active policy has half parameters and asks
-            for none (kmix's `"O3"`, Keras's `"float16"` / `"bfloat16"`).
-            `"kahan"` keeps, instead of a float32 copy (4 bytes a parameter),
-            a half-precision buffer with the rounding error of each update (2
-            bytes): the inner optimizer updates the half variables directly
-            (its slots take their dtype) and every write to them is a
-            compensated sum. Meant for bfloat16 parameters; Adam-like
-            optimizers need `beta_2 <= 0.99` (0.999 is 1.0 in bfloat16), and
-            AdamW's decoupled weight decay, which Keras writes directly, is
-            not compensated.
+            trainable variables for the inner optimizer to update; `False`
+            updates the variables directly; `"auto"` (the default) is `True`
+            unless the active policy has half parameters and asks for none
+            (`"O3"`, `"float16"`, `"bfloat16"`). `"kahan"`: a half buffer of
+            each update's rounding error instead of a float32 copy (bfloat16
+            parameters; Adam needs `beta_2 <= 0.99`); see
+            `kmix.optimizers.master_weights`.
         accumulation_steps: micro-batches per optimizer step, an int >= 1. Their
             unscaled float32 gradients are summed and their mean applied once;
             one overflow discards the whole step (see `flush` for the
             remainder at the end of training).
         allreduce_dtype: None (the default): the inner optimizer all-reduces
-            the unscaled gradients in their own dtype, as Keras does.
-            `"float16"` or `"bfloat16"`: under a strategy with more than one
-            replica (`MirroredStrategy`, `MultiWorkerMirroredStrategy`) kmix
-            sums the *scaled* gradients over the replicas in that dtype (half
-            the bytes), checks the sums for overflow (an inf on one replica,
-            or one that appears only in the sum, skips the step everywhere)
-            and unscales and applies in float32; float16 wants a dynamic
-            scale (`kmix.wrap` gives one), bfloat16 a fixed one. No strategy
-            or one replica: nothing to reduce, no effect. See
-            `kmix.optimizers.allreduce`.
+            the gradients in their own dtype, as Keras does. `"float16"` or
+            `"bfloat16"`: with more than one replica kmix sums them over the
+            replicas in that dtype (half the bytes; float16 with a wire scale
+            per variable and step that keeps the sums in range), checks the
+            sums (an inf on any replica skips the step everywhere) and applies
+            in float32. See `kmix.optimizers.allreduce`.
         restore_on_skip: True (the default): a skipped step also leaves the
             model's non-trainable variables (batch-norm statistics, seed
-            states, anything a layer assigns in its forward pass) as the last
-            applied step left them; see `track`. False: they keep what the
-            skipped step's forward pass wrote (Keras's and torch's behaviour).
-        fused_update: True (the default): when `inner_optimizer` is exactly
-            `keras.optimizers.Adam` or `AdamW` without `amsgrad`, its dense
-            float32 updates run on TensorFlow's fused `ResourceApplyAdam`
-            kernel (the same arithmetic in one pass instead of a dozen; see
-            `kmix.optimizers.fused_adam`). False: Keras's own update.
+            states) as the last applied step left them; see `track`. False:
+            they keep what the skipped step wrote (Keras's behaviour).
+        fused_update: True (the default): `keras.optimizers.Adam` / `AdamW`
+            (without `amsgrad`) update dense float32 variables on TensorFlow's
+            fused `ResourceApplyAdam` kernel (`kmix.optimizers.fused_adam`).
+            False: Keras's own update.
         name: the optimizer's name.
 
     Example:
@@ -105,39 +93,18 @@ class LossScaleOptimizer(
     >>> float(opt.loss_scale), int(opt.skipped_steps), opt.overflow_report()[:3]
     """
 
-    def __init__(
-        self,
-        inner_optimizer,
-        initial_scale=2.0**15,
-        growth_interval=2000,
-        growth_factor=2.0,
-        backoff_factor=0.5,
-        hysteresis=1,
-        min_scale=1.0,
-        max_scale=2.0**24,
-        dynamic=True,
-        name=None,
-        master_weights="auto",
-        accumulation_steps=1,
-        dynamic_growth_steps=None,
-        allreduce_dtype=None,
-        restore_on_skip=True,
-        fused_update=True,
-        **kwargs,
-    ):
+    def __init__(self, inner_optimizer, initial_scale=2.0**15, growth_interval=2000, growth_factor=2.0,
+                 backoff_factor=0.5, hysteresis=1, min_scale=1.0, max_scale=2.0**24, dynamic=True, name=None,
+                 master_weights="auto", accumulation_steps=1, dynamic_growth_steps=None, allreduce_dtype=None,
+                 restore_on_skip=True, fused_update=True, **kwargs):
         (initial_scale, growth_interval, growth_factor, backoff_factor, hysteresis, min_scale, max_scale,
          dynamic, master_weights, accumulation_steps, allreduce_dtype) = arguments.check(
             inner_optimizer, initial_scale, growth_interval, growth_factor, backoff_factor, hysteresis,
             min_scale, max_scale, dynamic, master_weights, accumulation_steps, dynamic_growth_steps,
             allreduce_dtype,
         )
-        super().__init__(
-            inner_optimizer,
-            initial_scale=initial_scale,
-            dynamic_growth_steps=growth_interval,
-            name=name,
-            **kwargs,
-        )
+        super().__init__(inner_optimizer, initial_scale=initial_scale, dynamic_growth_steps=growth_interval,
+                         name=name, **kwargs)
         self.growth_interval = growth_interval
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -148,14 +115,8 @@ class LossScaleOptimizer(
         self._master_weights_request = master_weights  # as resolved here: what get_config saves
         self.accumulation_steps = accumulation_steps
         self.allreduce_dtype = allreduce_dtype
-        if not isinstance(restore_on_skip, bool):
-            raise TypeError(
-                f"`restore_on_skip` must be True or False. Received: restore_on_skip={restore_on_skip!r}"
-            )
-        self.restore_on_skip = restore_on_skip
-        if not isinstance(fused_update, bool):
-            raise TypeError(f"`fused_update` must be True or False. Received: fused_update={fused_update!r}")
-        self.fused_update = fused_update
+        self.restore_on_skip = arguments.check_flag("restore_on_skip", restore_on_skip)
+        self.fused_update = arguments.check_flag("fused_update", fused_update)
         if fused_update:
             fused_adam.install(inner_optimizer)
         else:
@@ -163,7 +124,6 @@ class LossScaleOptimizer(
         self._state_guard = None
         self._tracked_model = None
 
-    # ------------------------------------------------------------------ state
     @no_automatic_dependency_tracking
     def build(self, var_list):
         """Creates the scale, the counters, master weights and the inner optimizer's slots."""
@@ -176,47 +136,126 @@ class LossScaleOptimizer(
             self.track(model)
         self._variable_paths = [_variable_path(v) for v in var_list]
         self._model_variables = var_list
-        self._masters = {}
-        self._kahan = {}
-        if self._master_weights_request == "kahan":
-            mw.check_kahan_inner(self.inner_optimizer, var_list)
-            self._kahan = mw.create_compensation(self, var_list)
-        elif self._master_weights_request and any(_dtype(v) in _HALF for v in var_list):
-            if self.inner_optimizer.built:
-                raise ValueError(
-                    "Master weights need an inner optimizer that is not built yet, so that it "
-                    "builds its slots on the float32 copies; received a built "
-                    f"{type(self.inner_optimizer).__name__}. Wrap a fresh optimizer, or pass "
-                    "master_weights=False."
-                )
-            self._masters = mw.create_masters(self, var_list)
-        inner_vars = [self._masters.get(i, v) for i, v in enumerate(var_list)]
+        self._masters, self._kahan = mw.create_for(self, self._master_weights_request, var_list)
         # Keras's build creates `step_counter` and `dynamic_scale` and builds the inner
         # optimizer on the list it is given: the float32 copies where there are some.
-        super().build(inner_vars)
+        super().build([self._masters.get(i, v) for i, v in enumerate(var_list)])
         if self.allreduce_dtype is not None:
             take_gradients_as_reduced(self.inner_optimizer)  # `apply` hands it the sums
         if self._kahan:
-            buffers = {
+            mw.install_kahan_hooks(self.inner_optimizer, {
                 optimizer_variable_key(self.inner_optimizer, var_list[i]): (var_list[i], c)
-                for i, c in self._kahan.items()
-            }
-            mw.install_kahan_hooks(self.inner_optimizer, buffers)
-        self._create_counters(len(var_list))
+                for i, c in self._kahan.items()})
+        counters.create(self, len(var_list))
         self._index = {id(v): i for i, v in enumerate(var_list)}
         if self.accumulation_steps > 1:
             accumulation.create_state(self, var_list)
 
+    # ------------------------------------------------------------ what it holds
     @property
     def loss_scale(self):
-        """The current loss scale, a float32 scalar tensor."""
+        """The current loss scale, a float32 scalar tensor; before `build`, the one it will start from."""
         if not self.built:
-            return tf.constant(self.initial_scale, tf.float32)
+            return tf.constant(follow_model.planned_scale(self), tf.float32)
         return tf.convert_to_tensor(self.dynamic_scale)
 
-    # ----------------------------------------------------------------- apply
+    @property
+    def master_weights(self):
+        """What keeps the updates' low bits: True (float32 copies), `"kahan"` or False.
+
+        Once built, the truth (True only where float32 copies exist: some
+        trainable variable is half); before, the request it will act on
+        (`"auto"` resolved), which is what `get_config` saves.
+        """
+        if not self.built:
+            return self._master_weights_request
+        return mw.in_force(self._masters, self._kahan)
+
+    @property
+    def good_steps(self):
+        """Finite steps since the scale last changed (Keras's `step_counter`)."""
+        return counters.built(self, "step_counter")
+
+    @property
+    def skipped_steps(self):
+        """How many steps were skipped for non-finite gradients (an int64 variable)."""
+        return counters.built(self, "_skipped_steps")
+
+    @property
+    def hysteresis_left(self):
+        """Overflows left before the next back-off (an int64 variable)."""
+        return counters.built(self, "_hysteresis_left")
+
+    @property
+    def overflow_counts(self):
+        """Per trainable variable, how often its gradient was non-finite (int64 vector)."""
+        return counters.built(self, "_overflow_counts")
+
+    @property
+    def min_scale_overflows(self):
+        """Overflows that happened while the scale was already at `min_scale`."""
+        return counters.built(self, "_min_scale_overflows")
+
+    @property
+    def current_growth_interval(self):
+        """The growth interval in force (a variable: `LossScaleWarmup` changes it)."""
+        return counters.built(self, "_growth_interval_var")
+
+    def overflow_report(self, top=None):
+        """The variables whose gradients were non-finite, most frequent first.
+
+        Args:
+            top: keep only the first `top` rows; all by default.
+
+        Returns:
+            `(variable_path, count)` pairs with `count > 0`, by count (descending), then path.
+        """
+        return counters.report(self._variable_paths, self.overflow_counts, top)
+
+    # ------------------------------------------------------------ the routes in
+    def scale_loss(self, loss):
+        """Multiplies `loss` by the current scale (what Keras's trainer calls), and marks the step.
+
+        Before the optimizer is built this uses the scale it will start from; a
+        `tf.function` that builds it on its first call is traced again once the
+        variables exist. The mark tells `apply` / `apply_gradients` in the same
+        step that their gradients are scaled (`kmix.optimizers.scaled_check`).
+        """
+        scaled_check.mark_scaled(self)
+        return keras.ops.multiply(loss, self.dynamic_scale if self.built else follow_model.planned_scale(self))
+
+    def get_scaled_loss(self, loss):
+        """tf.keras's name for `scale_loss`: `loss * loss_scale`, for custom loops."""
+        return self.scale_loss(loss)
+
+    def get_unscaled_gradients(self, grads):
+        """tf.keras's name: each gradient divided by the current scale, in float32.
+
+        `apply` / `apply_gradients` in the same step know these, and in a
+        `tf.function` what is computed from them (clipped, say), as unscaled:
+        TensorFlow's guide loop trains as written.
+        """
+        scale = self.loss_scale
+        unscaled = [None if g is None else unscale(g, scale) for g in grads]
+        scaled_check.mark_unscaled(self, grads, unscaled)
+        return unscaled
+
+    def apply_gradients(self, grads_and_vars, scaled=None):
+        """Applies `(gradient, variable)` pairs once, or skips the step if any is non-finite.
+
+        Args:
+            grads_and_vars: pairs `(gradient or None, variable)`.
+            scaled: as for `apply`.
+
+        Returns:
+            The optimizer's `iterations`.
+        """
+        grads, variables = zip(*grads_and_vars)
+        scaled = scaled_check.decide(self, grads, variables, scaled, "apply_gradients")
+        return self._apply_checked(grads, variables, scaled)
+
     def apply(self, grads, trainable_variables=None, scaled=None):
-        """Applies scaled `grads` once, or skips the step if any is non-finite.
+        """Applies `grads` once, or skips the step if any is non-finite.
 
         With `accumulation_steps=k`, each call is one micro-batch: its
         unscaled float32 gradients are summed, and every k-th call applies
@@ -225,14 +264,13 @@ class LossScaleOptimizer(
         Args:
             grads: one gradient (or None) per variable.
             trainable_variables: the variables; those it was built with by default.
-            scaled: True when `grads` are the gradients of the scaled loss:
-                they are divided by the scale here. None (the default) is
-                True, with a warning (once) when this optimizer's
-                `scale_loss` did not run in the same step. False when
-                they are already unscaled, e.g. by `get_unscaled_gradients`
-                and then clipped (torch's `unscale_`, `clip_grad_norm_`,
-                `step`): they are used as given (half ones in float32), with
-                the same non-finite check, skip, scale update and counters.
+            scaled: None (the default): decided when the step is traced
+                (`kmix.optimizers.scaled_check`): what `get_unscaled_gradients`
+                returned, or was computed from it, is used as given; else the
+                gradients of a loss that went through `scale_loss` in the step
+                are divided by the scale; else (a step written for float32)
+                they are used as given, with a warning once. True: divide.
+                False: use as given. Either way in float32, checked and counted.
 
         Returns:
             The optimizer's `iterations`.
@@ -240,38 +278,69 @@ class LossScaleOptimizer(
         Example:
             >>> grads = opt.get_unscaled_gradients(tape.gradient(opt.scale_loss(loss), variables))
             >>> grads, _ = tf.clip_by_global_norm(grads, 1.0)  # clip the true gradients
-            >>> opt.apply(grads, variables, scaled=False)
+            >>> opt.apply(grads, variables, scaled=False)      # scaled=False: said, not inferred
         """
-        took_scaled_loss = scaled_check.consume_mark(self)
-        if scaled is None:
-            scaled = True
-            if not took_scaled_loss and self._scale_matters(trainable_variables):
-                scaled_check.warn_unscaled_once(self, "apply")
+        grads = list(grads)
+        scaled = scaled_check.decide(self, grads, trainable_variables, scaled, "apply")
         return self._apply_checked(grads, trainable_variables, scaled)
 
+    def flush(self):
+        """Applies a partial accumulation (fewer than `accumulation_steps` micro-batches).
+
+        Divides by the number of micro-batches summed (MMCV's remainder rule).
+        `model.fit` calls it at the end of training; a custom loop calls it
+        at its end. A no-op without accumulation or with nothing pending.
+        """
+        if self.accumulation_steps == 1 or not self.built:
+            return
+        if tf.distribute.in_cross_replica_context():
+            tf.distribute.get_strategy().run(self.flush)
+            return
+        accumulation.flush(self)
+
+    def track(self, model):
+        """Guards `model`'s non-trainable variables: a skipped step restores them.
+
+        `model.fit` does this by itself. A custom loop, or a `train_step`
+        whose optimizers are not `model.optimizer` (a GAN's two), calls it
+        once before the first step, with the (sub-)model whose forward pass
+        runs in the steps this optimizer decides; again after `set_weights`
+        (the current values become the committed state). A no-op with
+        `restore_on_skip=False`.
+
+        Args:
+            model: a `keras.Model` or layer (its `non_trainable_variables`),
+                or a list of variables.
+
+        Returns:
+            The optimizer.
+
+        Example:
+            >>> opt = kmix.wrap(keras.optimizers.Adam(1e-3)).track(model)
+        """
+        nontrainable.guard(self, model)
+        return self
+
+    # ------------------------------------------------------------ one step
     def _apply_checked(self, grads, trainable_variables, scaled):
         """Reduce, check, unscale and apply (or skip), update the scale: the body of `apply`."""
-        if not isinstance(scaled, bool):
-            raise TypeError(f"`scaled` must be True, False or None. Received: scaled={scaled!r}")
         grads = list(grads)
         if not self.built:
             # No outer name scope (Keras's class opens one here): each optimizer scopes
             # its own variables, so slot paths are the same however the build happens.
             self.build(trainable_variables)
-        variables = self._resolve_variables(grads, trainable_variables)
+        variables = arguments.resolve_variables(self, grads, trainable_variables)
         ctx = tf.distribute.get_replica_context()
         if ctx is None:
-            raise ValueError(
-                "apply() must be called in a replica context (inside `strategy.run`), "
-                "not in the cross-replica context."
-            )
+            raise ValueError("apply() must be called in a replica context (inside `strategy.run`), "
+                             "not in the cross-replica context.")
         scale = tf.convert_to_tensor(self.dynamic_scale)
         reduce_here = allreduce.reduces_here(self.allreduce_dtype, ctx)
         if reduce_here and self.accumulation_steps == 1:
             # Scaled half sums, the same on every replica (accumulation reduces once per window).
             grads = allreduce.all_reduce(grads, variables, self.allreduce_dtype, None if scaled else scale)
             scaled = True
-        nonfinite = self._nonfinite_per_variable(grads, variables)
+        nonfinite = counters.nonfinite(self, grads, variables)
         if ctx.num_replicas_in_sync > 1 and not reduce_here:
             # Every replica sees every replica's overflow, so all skip together.
             nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
@@ -286,129 +355,45 @@ class LossScaleOptimizer(
         if self.accumulation_steps == 1:
             self._apply_if(finite, unscaled, variables)
             self._settle_state(finite, tf.logical_not(finite))
-            self._update_state(finite, nonfinite, scale)
+            counters.record_step(self, finite, nonfinite, scale)
         else:
             accumulation.add_micro_batch(self, finite, nonfinite, unscaled, variables, scale)
         return self.iterations
 
-    def flush(self):
-        """Applies a partial accumulation (fewer than `accumulation_steps` micro-batches).
-
-        Divides by the number of micro-batches actually summed, as MMCV's
-        `GradientCumulativeOptimizerHook` does for its remainder. `model.fit`
-        calls it at the end of training (through `finalize_variable_values`);
-        call it yourself at the end of a custom loop. A no-op without
-        accumulation or with nothing pending.
-        """
-        if self.accumulation_steps == 1 or not self.built:
-            return
-        if tf.distribute.in_cross_replica_context():
-            tf.distribute.get_strategy().run(self.flush)
-            return
-        accumulation.flush(self)
-
     def _apply_if(self, finite, unscaled, variables):
-        """Runs the inner optimizer on already unscaled gradients where `finite` holds."""
-        replicas.run_if(finite, self._apply_inner, unscaled, variables)
+        """Runs the inner optimizer on already unscaled gradients where `finite` holds (on masters if any)."""
+        replicas.run_if(finite, functools.partial(mw.apply_inner, self), unscaled, variables)
 
-    def _apply_inner(self, unscaled, variables):
-        if not self._masters:
-            self.inner_optimizer.apply(unscaled, variables)
-            return
-        indices = [self._index[id(v)] for v in variables]
-        masters = [self._masters.get(i, v) for i, v in zip(indices, variables)]
-        mw.sync_from_model(self._masters, self._model_variables, indices)
-        self.inner_optimizer.apply(unscaled, masters)
-        mw.copy_to_model(self._masters, self._model_variables, indices)
-
-    def _update_state(self, finite, nonfinite, scale, active=None):
-        """One step of `scale_rule.ScaleRule` and the counters; nothing changes where `active` is False."""
-        rule = scale_rule.ScaleRule(self._growth_interval_var, self.growth_factor, self.backoff_factor,
-                                    self.hysteresis, self.min_scale, self.max_scale, self.dynamic)
-        before = scale_rule.ScaleState(
-            scale, tf.convert_to_tensor(self.step_counter), tf.convert_to_tensor(self._hysteresis_left)
-        )
-        after = rule.adjust(before, finite)
-        zero = tf.constant(0, tf.int64)
-        skipped = tf.where(finite, zero, 1)
-        at_floor = tf.where(scale <= self.min_scale, skipped, zero)
-        overflowed = tf.cast(nonfinite > 0, tf.int64)
-        if active is not None:
-            after = scale_rule.ScaleState(*(tf.where(active, a, b) for a, b in zip(after, before)))
-            skipped, at_floor = (tf.where(active, t, zero) for t in (skipped, at_floor))
-            overflowed = tf.where(active, overflowed, tf.zeros_like(overflowed))
-        self.dynamic_scale.assign(after.scale)
-        self.step_counter.assign(tf.cast(after.good_steps, self.step_counter.dtype))
-        self._hysteresis_left.assign(after.hysteresis_left)
-        self._skipped_steps.assign_add(skipped)
-        self._overflow_counts.assign_add(overflowed)
-        self._min_scale_overflows.assign_add(at_floor)
-
-    def _resolve_variables(self, grads, trainable_variables):
-        if trainable_variables is None:
-            variables = self._model_variables
-        else:
-            variables = list(trainable_variables)
-        if len(grads) != len(variables):
-            raise ValueError(
-                f"Received {len(grads)} gradients for {len(variables)} variables; "
-                "expected one gradient (or None) per variable."
-            )
-        unknown = [_variable_path(v) for v in variables if id(v) not in self._index]
-        if unknown:
-            raise ValueError(
-                f"{type(self).__name__} was built for other variables; received variables it "
-                f"does not know: {unknown[:5]}. Build it with every variable it will update."
-            )
-        return variables
+    def _settle_state(self, applied, skipped):
+        """Commits the guarded non-trainable state where `applied`, restores it where `skipped`."""
+        if self._state_guard:
+            self._state_guard.settle(applied, skipped)
 
     def finalize_variable_values(self, var_list):
         """Applies a pending partial accumulation, then lets the inner optimizer finalize (EMA)."""
         self.flush()
-        if not self._masters_for(var_list):
+        if not (getattr(self, "_masters", None) and all(id(v) in self._index for v in var_list)):
             return super().finalize_variable_values(var_list)
-        indices = [self._index[id(v)] for v in var_list]
-        self.inner_optimizer.finalize_variable_values(
-            [self._masters.get(i, v) for i, v in zip(indices, var_list)]
-        )
-        mw.copy_to_model(self._masters, self._model_variables, indices)
+        mw.finalize(self, var_list)
 
-    def _masters_for(self, var_list):
-        return bool(getattr(self, "_masters", None)) and all(id(v) in self._index for v in var_list)
-
-    # ----------------------------------------------------------------- config
+    # ------------------------------------------------------------ config
     def get_config(self):
         """Every constructor argument, so `from_config` rebuilds the same optimizer."""
         config = super().get_config()
         config.pop("dynamic_growth_steps")
-        config.update(
-            growth_interval=self.growth_interval,
-            growth_factor=self.growth_factor,
-            backoff_factor=self.backoff_factor,
-            hysteresis=self.hysteresis,
-            min_scale=self.min_scale,
-            max_scale=self.max_scale,
-            dynamic=self.dynamic,
-            master_weights=self._master_weights_request,
-            accumulation_steps=self.accumulation_steps,
-            allreduce_dtype=self.allreduce_dtype,
-            restore_on_skip=self.restore_on_skip,
-            fused_update=self.fused_update,
-        )
+        config.update({name: getattr(self, name) for name in _CONFIG}, master_weights=self._master_weights_request)
         return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         """Re-creates the optimizer; also accepts configs of Keras's own class."""
         config = dict(config)
-        inner = keras.saving.deserialize_keras_object(
-            config.pop("inner_optimizer"), custom_objects=custom_objects
-        )
+        inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
         return cls(inner, **config)
 
 
-def _dtype(v):
-    return keras.backend.standardize_dtype(v.dtype)
+_CONFIG = ("growth_interval", "growth_factor", "backoff_factor", "hysteresis", "min_scale", "max_scale", "dynamic",
+           "accumulation_steps", "allreduce_dtype", "restore_on_skip", "fused_update")
 
 
 def _variable_path(v):

@@ -39,6 +39,27 @@ def in_force(masters, compensation):
     return "kahan" if compensation else False
 
 
+def create_for(optimizer, request, var_list):
+    """The master copies or compensation buffers that `master_weights=request` asks for `var_list`.
+
+    Returns:
+        `(masters, compensation)`: `{index in var_list: variable}` each, one of them empty.
+    """
+    if request == "kahan":
+        check_kahan_inner(optimizer.inner_optimizer, var_list)
+        return {}, create_compensation(optimizer, var_list)
+    if not request or not any(keras.backend.standardize_dtype(v.dtype) in _HALF for v in var_list):
+        return {}, {}
+    if optimizer.inner_optimizer.built:
+        raise ValueError(
+            "Master weights need an inner optimizer that is not built yet, so that it "
+            "builds its slots on the float32 copies; received a built "
+            f"{type(optimizer.inner_optimizer).__name__}. Wrap a fresh optimizer, or pass "
+            "master_weights=False."
+        )
+    return create_masters(optimizer, var_list), {}
+
+
 def create_masters(optimizer, var_list):
     """Creates a float32 optimizer variable for each half variable in `var_list`.
 
@@ -197,3 +218,21 @@ def install_kahan_hooks(optimizer, buffers):
 
     for name in originals:
         setattr(optimizer, name, make(name))
+
+
+def apply_inner(opt, unscaled, variables):
+    """`opt.inner_optimizer.apply(unscaled, ...)` on the float32 copies where there are some, copied back."""
+    if not opt._masters:
+        opt.inner_optimizer.apply(unscaled, variables)
+        return
+    indices = [opt._index[id(v)] for v in variables]
+    sync_from_model(opt._masters, opt._model_variables, indices)
+    opt.inner_optimizer.apply(unscaled, [opt._masters.get(i, v) for i, v in zip(indices, variables)])
+    copy_to_model(opt._masters, opt._model_variables, indices)
+
+
+def finalize(opt, var_list):
+    """The inner optimizer's `finalize_variable_values` (EMA) on the copies, copied to the model."""
+    indices = [opt._index[id(v)] for v in var_list]
+    opt.inner_optimizer.finalize_variable_values([opt._masters.get(i, v) for i, v in zip(indices, var_list)])
+    copy_to_model(opt._masters, opt._model_variables, indices)

@@ -24,6 +24,8 @@ loading weights) is undone by a later skipped step unless `track` is called
 again; see `LossScaleOptimizer.track`.
 """
 
+import weakref
+
 import keras
 import tensorflow as tf
 
@@ -104,3 +106,18 @@ def strategy_of(model_or_variables):
     if isinstance(model_or_variables, keras.Model):
         return model_or_variables.distribute_strategy
     return tf.distribute.get_strategy()
+
+
+def guard(opt, model):
+    """What `LossScaleOptimizer.track(model)` does: guards `model`'s state, or re-syncs a guard that has it."""
+    variables = state_of(model)
+    if not opt.restore_on_skip:
+        return
+    if isinstance(model, keras.Model):
+        # A weak reference: saving walks the optimizer's attributes, and the model holds the optimizer.
+        opt._tracked_model = weakref.ref(model)
+    known = opt._state_guard.variables if opt._state_guard is not None else []
+    if opt._state_guard is not None and {id(v) for v in variables} <= {id(v) for v in known}:
+        opt._state_guard.sync()
+        return
+    opt._state_guard = StateGuard(known + variables, strategy_of(model))

@@ -27,7 +27,7 @@ def run_if(pred, fn, *args):
 
     Example:
 
-    >>> run_if(finite, optimizer._apply_inner, unscaled, variables)
+    >>> run_if(finite, functools.partial(master_weights.apply_inner, optimizer), unscaled, variables)
     """
     if strategy_supports_no_merge_call():
         tf.cond(pred, lambda: _call(fn, args), lambda: None)

@@ -5,6 +5,7 @@ import logging
 import keras
 import tensorflow as tf
 
+from kmix.optimizers import follow_model
 from kmix.optimizers.loss_scale import LossScaleOptimizer
 
 _log = logging.getLogger("kmix")
@@ -17,9 +18,11 @@ def wrap(optimizer, **kwargs):
     torch's defaults: 2^15, x2 every 2000 finite steps, /2 on overflow). Under
     bfloat16 or float32, which need no loss scaling, the scale is fixed at 1
     (`dynamic=False, initial_scale=1`) and non-finite steps are still skipped,
-    so one bad batch never corrupts the weights. With
-    `allreduce_dtype="float16"` the scale is dynamic under any policy: the
-    scaled gradients are summed in float16, whose range the scale must fit.
+    so one bad batch never corrupts the weights. What the caller does not
+    give is still the policy's to choose when the optimizer is built: a model
+    whose layers compute in float16 gets a dynamic scale (from the scale the
+    caller gave, the one `kmix.autocast(..., sample=)` advised, or 2^15), and
+    `dynamic=True` alone starts from the advised scale or 2^15.
 
     Args:
         optimizer: a Keras optimizer instance, a name (`"adam"`) or a config
@@ -41,6 +44,7 @@ def wrap(optimizer, **kwargs):
     >>> model.compile(optimizer=kmix.wrap(keras.optimizers.AdamW(3e-4)), loss="mse")
     >>> kmix.wrap("adam", hysteresis=2)
     >>> kmix.wrap("adam", allreduce_dtype="float16")  # gradients summed in float16 across replicas
+    >>> kmix.wrap("adam", dynamic=True)  # dynamic scaling from 2^15 (or the advised scale) under any policy
     """
     _enable_multi_worker_fit_in_scope()
     if isinstance(optimizer, LossScaleOptimizer):
@@ -63,18 +67,20 @@ def wrap(optimizer, **kwargs):
         }
         return LossScaleOptimizer(optimizer.inner_optimizer, **{**defaults, **kwargs})
     inner = _get_optimizer(optimizer)
-    compute = keras.config.dtype_policy().compute_dtype
-    # float16 computing or float16 all-reduce (whose range the scale must use) wants a dynamic scale.
-    half_range = compute == "float16" or kwargs.get("allreduce_dtype") == "float16"
-    defaults = {} if half_range else {"dynamic": False, "initial_scale": 1.0}
+    defaults = {}
+    if keras.config.dtype_policy().compute_dtype != "float16":
+        defaults["dynamic"] = False
+        if not kwargs.get("dynamic", False):  # `dynamic=True` alone starts where a dynamic scale does
+            defaults["initial_scale"] = 1.0
     if kwargs.get("dynamic", defaults.get("dynamic", True)) is False and "min_scale" not in kwargs:
         defaults["min_scale"] = min(1.0, kwargs.get("initial_scale", 1.0))
     wrapped = LossScaleOptimizer(inner, **{**defaults, **kwargs})
-    # A fixed scale chosen here from the policy, not by the caller: `build` may switch it to
-    # dynamic when the model's layers compute in float16 (kmix/optimizers/follow_model.py).
-    wrapped._scale_from_policy = "dynamic" in defaults and not {"dynamic", "initial_scale"} & set(kwargs)
-    # No scale asked for: `build` may start from the one `kmix.autocast(..., sample=)` advised.
+    # What the caller left to the policy, which `build` may revisit once it knows the model
+    # (kmix/optimizers/follow_model.py): a fixed scale becomes dynamic where layers compute in
+    # float16, and a scale wrap chose starts from the one kmix.autocast(..., sample=) advised.
+    wrapped._dynamic_from_policy = "dynamic" in defaults and "dynamic" not in kwargs
     wrapped._initial_scale_from_wrap = "initial_scale" not in kwargs
+    wrapped._policy_name = follow_model.active_policy_name()
     return wrapped
 
 

@@ -136,16 +136,19 @@ def test_apply_unscaled_clipped_gradients_equals_inner_optimizer(jit, accumulati
     assert float(opt.loss_scale) == 2.0**15 * 2.0**grown / 2
 
 
-def test_unscaled_gradients_without_scaled_false_are_divided_twice():
-    """The mistake `scaled=False` exists for: the update is `loss_scale` times too small."""
+def test_scaled_says_what_the_gradients_are():
+    """`scaled=False`: used as given; `scaled=True`: divided by the scale; neither and no mark: as given, warned."""
     var = keras.Variable(np.zeros(1, np.float32))
     opt = kmix.wrap(keras.optimizers.SGD(1.0), dynamic=True, initial_scale=2.0**15)
     opt.build([var])
     true_grad = [tf.constant([1.0])]
     opt.apply(true_grad, [var], scaled=False)
     assert float(var.numpy()[0]) == -1.0
-    opt.apply(true_grad, [var])  # taken as scaled: divided by 2^15
+    opt.apply(true_grad, [var], scaled=True)  # taken as scaled: divided by 2^15
     assert float(var.numpy()[0]) == -1.0 - 2.0**-15
+    with pytest.warns(UserWarning, match=r"apply\(\) received gradients.*not divided"):
+        opt.apply(true_grad, [var])  # no scale_loss in this (eager) step: as given
+    assert float(var.numpy()[0]) == -2.0 - 2.0**-15
     with pytest.raises(TypeError, match="scaled"):
         opt.apply(true_grad, [var], scaled="no")
 

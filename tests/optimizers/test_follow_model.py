@@ -5,6 +5,7 @@ import logging
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import kmix
 from kmix.policy import advice
@@ -67,3 +68,46 @@ def test_recorded_compute_dtype_and_advised_scale_reach_a_custom_loop_build():
     opt = kmix.wrap(keras.optimizers.SGD(0.1))
     opt.build(model.trainable_variables)
     assert opt.dynamic and float(opt.loss_scale) == 2.0**10
+
+
+@pytest.mark.parametrize("kwargs, start", [
+    ({"dynamic": True}, 2.0**15),  # dynamic alone: where a dynamic scale starts, not at wrap's fixed 1
+    ({"hysteresis": 2}, 2.0**15),  # an argument about something else: the policy's choices still follow
+    ({"initial_scale": 2.0**10}, 2.0**10),  # the caller's scale, made dynamic by the float16 model
+])
+def test_explicit_arguments_outside_a_scope_still_follow_a_float16_model(kwargs, start):
+    opt = kmix.wrap(keras.optimizers.SGD(0.1), growth_interval=2, **kwargs)
+    assert float(opt.loss_scale) == (start if kwargs.get("dynamic") else kwargs.get("initial_scale", 1.0))
+    got = fit(half_model(), opt)
+    assert opt.dynamic and opt.initial_scale == start
+    # The reference: wrapped under a float16 policy, with the same arguments and start.
+    with kmix.policy_scope("mixed_float16"):
+        reference_opt = kmix.wrap(keras.optimizers.SGD(0.1), growth_interval=2, **{**kwargs, "initial_scale": start})
+    reference = fit(half_model(), reference_opt)
+    assert float(opt.loss_scale) == float(reference_opt.loss_scale) == start * 2.0**2  # 4 steps: grew twice
+    for a, b in zip(reference, got):
+        np.testing.assert_array_equal(b, a)
+
+
+@pytest.fixture
+def restore_level_advice():
+    saved = dict(advice._LEVEL_SCALE)
+    yield
+    advice._LEVEL_SCALE.clear()
+    advice._LEVEL_SCALE.update(saved)
+
+
+def test_loss_scale_before_build_is_the_advised_scale_it_starts_from(restore_level_advice):
+    """What kmix.autocast(model, level, sample=) records: the optimizer wrapped under that level reports it."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    with kmix.policy_scope("O1"):
+        policy = kmix.policy.active_policy().name
+        advice.record([(v, "float16") for v in model.trainable_variables], initial_scale=64.0, policy_name=policy)
+        advised = kmix.wrap(keras.optimizers.SGD(0.1))
+        chosen = kmix.wrap(keras.optimizers.SGD(0.1), initial_scale=2.0**10)
+    assert float(advised.loss_scale) == 64.0 and float(chosen.loss_scale) == 2.0**10  # before build...
+    assert float(advised.scale_loss(tf.constant(1.0))) == 64.0
+    advised.build(model.trainable_variables)
+    chosen.build(model.trainable_variables)
+    assert float(advised.loss_scale) == 64.0 and float(chosen.loss_scale) == 2.0**10  # ...and after

@@ -1,9 +1,13 @@
 """Keras's own tests for `keras.optimizers.LossScaleOptimizer`, run on kmix's class.
 
 Ported from keras/src/optimizers/loss_scale_optimizer_test.py (Keras 3.15,
-TensorFlow backend, stateful cases). Two differ on purpose and say so:
-`dynamic=False` is supported (Keras raises), and the config carries kmix's
-extra arguments (Keras's has exactly four keys).
+TensorFlow backend, stateful cases). Three differ on purpose and say so:
+`dynamic=False` is supported (Keras raises), the config carries kmix's
+extra arguments (Keras's has exactly four keys), and gradients multiplied by
+the scale by hand, with no `scale_loss` in the step, are passed with
+`scaled=True`: kmix decides from the step what they are and takes unmarked
+gradients as given (keras.io's float32 `train_step`), where Keras divides
+them by the scale.
 """
 
 import numpy as np
@@ -36,7 +40,7 @@ def test_apply_with_no_vars():
     grads = [ops.array([1.0, 6.0, 7.0, 2.0]) * optimizer.initial_scale]
     vars = [keras.Variable([1.0, 2.0, 3.0, 4.0])]
     optimizer.build(vars)
-    optimizer.apply(grads)
+    optimizer.apply(grads, scaled=True)  # differs on purpose: scaled by hand, said so
     np.testing.assert_allclose(vars[0], [0.5, -1.0, -0.5, 3.0], rtol=1e-4, atol=1e-4)
 
 
@@ -45,7 +49,7 @@ def test_finite_step(inner_scale):
     optimizer = LossScaleOptimizer(SGD(learning_rate=0.5, loss_scale_factor=inner_scale))
     grads = [ops.array([1.0, 6.0, 7.0, 2.0]) * optimizer.initial_scale]
     vars = [keras.Variable([1.0, 2.0, 3.0, 4.0])]
-    optimizer.apply(grads, vars)
+    optimizer.apply(grads, vars, scaled=True)  # differs on purpose: scaled by hand, said so
     np.testing.assert_allclose(vars[0], [0.5, -1.0, -0.5, 3.0], rtol=1e-4, atol=1e-4)
 
 

@@ -39,11 +39,11 @@ def dense(name, units=1):
 
 
 class OneOptimizer(keras.Model):
-    """keras.io's "customizing fit": one optimizer, `apply_gradients`, `scale_loss` or not."""
+    """keras.io's "customizing fit": one optimizer, `apply_gradients` (or Keras 3's `apply`), `scale_loss` or not."""
 
-    def __init__(self, scale, **kwargs):
+    def __init__(self, scale, use_apply=False, **kwargs):
         super().__init__(**kwargs)
-        self.net, self.scale = dense("net"), scale
+        self.net, self.scale, self.use_apply = dense("net"), scale, use_apply
 
     def call(self, x):
         return self.net(x)
@@ -55,7 +55,10 @@ class OneOptimizer(keras.Model):
             if self.scale:
                 loss = self.optimizer.scale_loss(loss)
         grads = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        if self.use_apply:
+            self.optimizer.apply(grads, self.trainable_variables)
+        else:
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
         return {"loss": loss}
 
 
@@ -146,10 +149,11 @@ def sgd():
     return keras.optimizers.SGD(0.1)
 
 
+@pytest.mark.parametrize("use_apply", [False, True], ids=["apply_gradients", "apply"])
 @pytest.mark.parametrize("scale", [True, False], ids=["scale_loss", "keras_io"])
-def test_one_optimizer_train_step(scale):
-    reference, _, _ = train(lambda: OneOptimizer(scale), "float32")
-    got, messages, (opt,) = train(lambda: OneOptimizer(scale), "mixed_float16")
+def test_one_optimizer_train_step(scale, use_apply):
+    reference, _, _ = train(lambda: OneOptimizer(scale, use_apply), "float32")
+    got, messages, (opt,) = train(lambda: OneOptimizer(scale, use_apply), "mixed_float16")
     assert opt.dynamic and float(opt.loss_scale) == SCALE  # float16: the scale is real
     for a, b in zip(reference, got):
         np.testing.assert_allclose(b, a, rtol=2e-2, atol=2e-2)
@@ -157,7 +161,7 @@ def test_one_optimizer_train_step(scale):
     if scale:
         assert messages == []
     else:  # ...and so did the keras.io step, unscaled, with one warning (not one per step)
-        assert len(messages) == 1 and f"'{opt.name}': apply_gradients()" in messages[0]
+        assert len(messages) == 1 and f"'{opt.name}': {'apply' if use_apply else 'apply_gradients'}()" in messages[0]
         assert "self.optimizer.scale_loss(loss)" in messages[0] and "not divided" in messages[0]
 
 
@@ -206,17 +210,17 @@ def test_fit_scales_through_keras_trainer_with_a_strategy_and_xla():
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)  # 2^15 scaling is exact
 
 
-def test_custom_loop_apply_without_scale_loss_divides_as_documented_and_warns_once():
+def test_custom_loop_apply_without_scale_loss_applies_as_given_and_warns_once():
     var = keras.Variable(np.zeros(1, np.float32))
     opt = kmix.wrap(keras.optimizers.SGD(1.0), dynamic=True, initial_scale=4.0)
     step = tf.function(lambda g: opt.apply([g], [var]))
-    with pytest.warns(UserWarning, match=r"apply\(\) received gradients.*scaled=False"):
+    with pytest.warns(UserWarning, match=r"apply\(\) received gradients.*not divided"):
         step(tf.constant([4.0]))
-    assert float(var.numpy()[0]) == -1.0  # taken as scaled: 4 / 4
+    assert float(var.numpy()[0]) == -4.0  # as given: the step was written for float32
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         step(tf.constant([8.0]))  # traced once: no second warning
-        opt.apply([tf.constant([4.0])], [var], scaled=True)  # said explicitly: silent
+        opt.apply([tf.constant([4.0])], [var], scaled=True)  # said explicitly: divided, silent
 
         @tf.function
         def scaled_step():
@@ -225,7 +229,7 @@ def test_custom_loop_apply_without_scale_loss_divides_as_documented_and_warns_on
             opt.apply(grads, [var])
 
         scaled_step()
-    assert float(var.numpy()[0]) == -1.0 - 2.0 - 1.0 - 2.0
+    assert float(var.numpy()[0]) == -4.0 - 8.0 - 1.0 - 2.0
 
 
 def test_a_retrace_and_a_later_step_do_not_inherit_a_mark():
