@@ -6,24 +6,30 @@ wire in half precision, half the bytes of float32. kmix reduces them itself,
 in `kmix.LossScaleOptimizer.apply`, and the inner optimizer takes the sums
 as they are (`kmix._compat.take_gradients_as_reduced`):
 
-    g_half = half(g * m)            # m = 1 for scaled gradients, the scale for unscaled ones
-    s = all_reduce(SUM, g_half)     # in half precision, over every replica of every worker
+    g = float32(g) * m              # m = 1 for scaled gradients, the loss scale for unscaled ones
+    b = all_reduce(SUM, max|g|)     # float16 only: one float32 per variable, summed over replicas
+    w = 2^(14 - exponent(b))        # float16 only: b * w in [2^14, 2^15), so no sum can overflow
+    s = all_reduce(SUM, half(g * w)) / w   # in half precision, over every replica of every worker
     finite = all(isfinite(s))       # the same on every replica: no flag all-reduce
-    update with float32(s) / scale  # unscaled in float32, or skipped everywhere
+    update with s / scale           # unscaled in float32, or skipped everywhere
 
-- float16: the *scaled* gradients are reduced, so float16's range is used
-  (loss scaling keeps small gradients above 2^-24). An overflow of one
-  replica's gradient (above 65504 in the cast) or one that appears only in
-  the sum is an inf in the sum on every replica: the step is skipped
+- float16: its range (65504) is too small for what float32 layers compute:
+  the scaled gradient of a float32 output layer is often above it, and cast
+  as it is (torch's `fp16_compress_hook` does) it becomes inf and skips a
+  step that a float32 reduce takes. The wire scale `w`, a power of two per
+  variable and step, puts the largest value any partial sum can reach
+  (`b`, the sum over replicas of each replica's largest magnitude) just
+  below 2^15, whatever the loss scale and the number of replicas, and is
+  divided out exactly. What it costs: one pass for the maxima and one small
+  all-reduce of 4 bytes per variable. An inf or NaN on any replica still
+  reaches the sums (`w` is 1 where `b` is not finite): the step is skipped
   everywhere and the dynamic scale backs off.
-- bfloat16: float32's range; no dynamic scale is needed (`kmix.wrap` keeps a
-  fixed scale of 1 outside float16 policies). 8 significant bits.
+- bfloat16: float32's range, so no wire scale; 8 significant bits.
 - Averaging: Keras's `fit` divides each replica's loss by the number of
   replicas (`compile`'s loss), and custom loops do with
   `tf.nn.compute_average_loss(..., global_batch_size=...)`: each replica's
-  gradient is already its share of the mean (the pre-divide of DDP's and
-  Horovod's compression), so the sum is the mean and never exceeds the
-  largest replica's share times the number of replicas. No other division.
+  gradient is already its share of the mean, so the sum is the mean. No
+  other division.
 - No strategy, or one replica: nothing to reduce; `allreduce_dtype` does
   nothing (the gradients stay as they are).
 """
@@ -61,14 +67,15 @@ def all_reduce(grads, variables, allreduce_dtype, multiplier=None, poison=None):
             (such gradients are not reduced, as in Keras).
         allreduce_dtype: `"float16"` or `"bfloat16"`.
         multiplier: a float32 scalar the gradients are multiplied by before
-            the cast (the loss scale, for unscaled gradients), or None.
+            the reduction (the loss scale, for unscaled gradients), or None.
         poison: a boolean per gradient, or None: where True this replica
             sends NaN instead, so every replica sees that variable's sum
             non-finite (an overflow this replica found in an earlier
             micro-batch of an accumulation window).
 
     Returns:
-        A list like `grads`: float32 sums (None and overwritten ones as given).
+        A list like `grads`: the float32 sums of `gradient * multiplier` (None
+        and overwritten ones as given).
     """
     dtype = _DTYPES[allreduce_dtype]
     indices = [
@@ -77,27 +84,47 @@ def all_reduce(grads, variables, allreduce_dtype, multiplier=None, poison=None):
     ]
     if not indices:
         return list(grads)
+    ctx = tf.distribute.get_replica_context()
+    values = [_map_values(grads[i], lambda x: _times(x, multiplier)) for i in indices]
+    wire = [None] * len(values)
+    if dtype == tf.float16:
+        peaks = tf.stack([tf.maximum(tf.reduce_max(tf.abs(_dense(v))), 0.0) for v in values])  # 0 if empty
+        peaks = ctx.all_reduce(tf.distribute.ReduceOp.SUM, peaks)
+        wire = tf.unstack(wire_scales(peaks))
     sent = []
-    for i in indices:
-        g = grads[i]
+    for k, (i, v) in enumerate(zip(indices, values)):
         bad = None if poison is None else poison[i]
-        sent.append(_map_values(g, lambda x, bad=bad: _to_half(x, dtype, multiplier, bad)))
-    sums = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, sent)
+        sent.append(_map_values(v, lambda x, w=wire[k], bad=bad: _to_half(x, dtype, w, bad)))
+    sums = ctx.all_reduce(tf.distribute.ReduceOp.SUM, sent)
     out = list(grads)
-    for i, s in zip(indices, sums):
-        out[i] = _map_values(s, lambda x: tf.cast(x, tf.float32))
+    for k, (i, s) in enumerate(zip(indices, sums)):
+        out[i] = _map_values(s, lambda x, w=wire[k]: _from_half(x, w))
     return out
 
 
+def wire_scales(bounds):
+    """Per bound `b` (float32), the power of two `w` with `b * w` in [2^14, 2^15); 1 where `b` is not finite.
+
+    Exact: the exponent is read from `b`'s bits, not from a logarithm, and
+    `w` is built from its bits. `w` stays within [2^-120, 2^120] (a zero or
+    subnormal bound gets 2^120).
+    """
+    bits = tf.bitcast(tf.cast(bounds, tf.float32), tf.int32)
+    exponent = tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, 23), 0xFF) - 127  # floor(log2 b)
+    shift = tf.clip_by_value(14 - exponent, -120, 120)
+    scale = tf.bitcast(tf.bitwise.left_shift(shift + 127, 23), tf.float32)  # 2^shift, exactly
+    return tf.where(tf.math.is_finite(bounds), scale, tf.ones_like(scale))
+
+
 def bytes_per_step(variables, allreduce_dtype):
-    """Bytes one replica sends into the all-reduce per step (the gradients' sizes in that dtype)."""
+    """Bytes one replica sends into the all-reduces per step: the gradients in that dtype (and float16's wire scales)."""
     total = 0
     for v in variables:
         size = 1
         for d in v.shape:
             size *= int(d)
         width = tf.as_dtype(allreduce_dtype).size if allreduce_dtype else tf.as_dtype(_dtype_name(v)).size
-        total += size * width
+        total += size * width + (4 if allreduce_dtype == "float16" else 0)  # one float32 bound per variable
     return total
 
 
@@ -106,13 +133,26 @@ def _dtype_name(v):
     return getattr(dtype, "name", dtype)
 
 
-def _to_half(x, dtype, multiplier, bad):
+def _times(x, multiplier):
     x = tf.cast(x, tf.float32)
-    if multiplier is not None:
-        x = x * tf.cast(multiplier, tf.float32)
+    return x if multiplier is None else x * tf.cast(multiplier, tf.float32)
+
+
+def _to_half(x, dtype, wire, bad):
+    if wire is not None:
+        x = x * wire
     if bad is not None:
         x = tf.where(bad, tf.fill(tf.shape(x), float("nan")), x)
     return tf.cast(x, dtype)
+
+
+def _from_half(x, wire):
+    x = tf.cast(x, tf.float32)
+    return x if wire is None else x / wire
+
+
+def _dense(g):
+    return g.values if isinstance(g, tf.IndexedSlices) else g
 
 
 def _map_values(g, fn):

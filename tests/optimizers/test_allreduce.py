@@ -86,17 +86,21 @@ def test_two_replicas_match_the_float32_reduction_within_the_half_rounding(dtype
     rng = np.random.default_rng(0)
     xs = [(rng.normal(size=(2, 3)) * 1e-3).astype("float32") for _ in range(2)]
     runs = {}
+    def make(name, lr=lr):
+        return kmix.wrap(keras.optimizers.SGD(lr), allreduce_dtype=name, dynamic=True)  # scale 2^15
+
     for name in (None, dtype):
-        model, opt = linear_run(strategy, xs, lambda: kmix.wrap(keras.optimizers.SGD(lr), allreduce_dtype=name), steps)
+        model, opt = linear_run(strategy, xs, lambda: make(name), steps)
         assert_same_on_both_replicas(model.trainable_variables)
         assert int(opt.iterations.numpy()) == steps and int(opt.skipped_steps.numpy()) == 0
         runs[name] = (model.get_weights(), float(opt.loss_scale))
     (w32, scale32), (whalf, scale) = runs[None], runs[dtype]
-    assert scale32 == 1.0 and scale == (2.0**15 if dtype == "float16" else 1.0)  # wrap's defaults
-    # The bound. Each replica's scaled gradient S*g is rounded once to the half dtype
-    # (relative error <= u, u = 2^-11 for float16, 2^-8 for bfloat16; |S*g| is far above the
-    # smallest normal here) and the sum once more (<= u * |sum|): the reduced gradient is off
-    # by at most 2u(|a| + |b|) after the exact division by S = 2^k. The gradients do not depend
+    assert scale32 == scale == 2.0**15
+    # The bound. Each replica's scaled gradient S*g (times float16's wire scale W, a power of
+    # two) is rounded once to the half dtype (relative error <= u, u = 2^-11 for float16, 2^-8
+    # for bfloat16; the values are far above the smallest normal) and the sum once more
+    # (<= u * |sum|): the reduced gradient is off by at most 2u(|a| + |b|) after the exact
+    # division by S * W. The gradients do not depend
     # on the weights, so these errors do not compound: after N SGD steps the weights differ by
     # at most N * lr * 2u(|a| + |b|), plus float32's own rounding of the N updates in each run.
     u = 2.0**-11 if dtype == "float16" else 2.0**-8
@@ -107,46 +111,97 @@ def test_two_replicas_match_the_float32_reduction_within_the_half_rounding(dtype
     # The half path ran (different rounding), and the inner optimizer did not sum the sums again
     # (that would double every update, far outside the bound).
     assert any(not np.array_equal(a, b) for a, b in zip(w32, whalf))
-    # One step, exactly: numpy's rounding of S*a and S*b and of their sum in the half dtype.
+    # One step, exactly: numpy's rounding of S*W*a and S*W*b and of their sum in the half dtype,
+    # W = 2^(14 - floor(log2(max|S*a| + max|S*b|))) per variable for float16, 1 for bfloat16.
     half = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
-    model, opt = linear_run(strategy, xs, lambda: kmix.wrap(keras.optimizers.SGD(lr), allreduce_dtype=dtype), 1)
-    w0 = linear_run(strategy, xs, lambda: kmix.wrap(keras.optimizers.SGD(0.0)), 1)[0].get_weights()
+    model, opt = linear_run(strategy, xs, lambda: make(dtype), 1)
+    w0 = linear_run(strategy, xs, lambda: make(None, lr=0.0), 1)[0].get_weights()
     for w, start, (ga, gb) in zip(model.get_weights(), w0, zip(*local_gradients(xs))):
         s = np.float32(scale)
-        reduced = (half(half(ga * s) + half(gb * s))).astype(np.float32) / s
+        bound = np.abs(ga * s).max() + np.abs(gb * s).max()
+        wire = np.float32(2.0 ** (14 - np.floor(np.log2(bound)))) if dtype == "float16" else np.float32(1)
+        reduced = (half(half(ga * s * wire) + half(gb * s * wire))).astype(np.float32) / (s * wire)
         np.testing.assert_array_equal(w, start - np.float32(lr) * reduced)
 
 
-@pytest.mark.parametrize(
-    "case", ["inf_on_replica_1", "sum_above_65504"],
-)
-def test_overflow_found_on_the_sums_skips_on_both_replicas(case):
-    """An inf in one replica's gradient, or two finite float16 gradients whose sum overflows."""
+def test_an_inf_on_one_replica_skips_on_both():
     strategy = two_replica_strategy()
-    if case == "inf_on_replica_1":
-        xs = [np.ones((2, 1), np.float32), np.array([[1.0], [np.inf]], np.float32)]
-    else:  # each replica's kernel gradient is 2 * 80000 / 4 = 40000: finite in float16, the sum is not
-        xs = [np.full((2, 1), 80000.0, np.float32)] * 2
-    applied = {}
+    xs = [np.ones((2, 1), np.float32), np.array([[1.0], [np.inf]], np.float32)]
     for dtype in (None, "float16"):
         model, opt = linear_run(
             strategy, xs,
-            lambda: kmix.wrap(keras.optimizers.Adam(0.1), allreduce_dtype=dtype, initial_scale=1.0, min_scale=0.25),
+            lambda: kmix.wrap(keras.optimizers.Adam(0.1), allreduce_dtype=dtype, dynamic=True, initial_scale=1.0,
+                              min_scale=0.25),
             steps=1,
         )
-        applied[dtype] = int(opt.iterations.numpy())
         assert_same_on_both_replicas(model.trainable_variables + opt.variables)
-    assert applied[None] == (0 if case == "inf_on_replica_1" else 1)  # float32 sums 80000 fine
-    assert applied["float16"] == 0
-    assert int(opt.skipped_steps.numpy()) == 1
-    assert float(opt.loss_scale) == 0.5  # backed off once
-    assert opt.overflow_counts.numpy().tolist() == [1, 0]  # the kernel's sum; the bias's is 2/4 + 2/4
-    for slot in opt.inner_optimizer.variables[2:]:  # Adam's moments: untouched
-        assert not np.any(keras.ops.convert_to_numpy(slot))
-    keras.utils.set_random_seed(0)
-    fresh = keras.Sequential([keras.Input((1,)), keras.layers.Dense(2)])
-    for w, w0 in zip(model.get_weights(), fresh.get_weights()):
-        np.testing.assert_array_equal(w, w0)
+        assert int(opt.iterations.numpy()) == 0 and int(opt.skipped_steps.numpy()) == 1
+        assert float(opt.loss_scale) == 0.5  # backed off once
+        assert opt.overflow_counts.numpy().tolist() == [1, 0]  # the kernel's sum; the bias's is 2/4 + 2/4
+        for slot in opt.inner_optimizer.variables[2:]:  # Adam's moments: untouched
+            assert not np.any(keras.ops.convert_to_numpy(slot))
+        keras.utils.set_random_seed(0)
+        fresh = keras.Sequential([keras.Input((1,)), keras.layers.Dense(2)])
+        for w, w0 in zip(model.get_weights(), fresh.get_weights()):
+            np.testing.assert_array_equal(w, w0)
+
+
+def test_gradients_and_sums_above_65504_take_the_step_the_float32_reduce_takes():
+    """Each replica's kernel gradient is 2 * 80000 / 4 = 40000 (times the scale): the wire scale keeps the sum finite."""
+    strategy = two_replica_strategy()
+    xs = [np.full((2, 1), 80000.0, np.float32)] * 2
+    weights = {}
+    for dtype in (None, "float16"):
+        model, opt = linear_run(
+            strategy, xs, lambda: kmix.wrap(keras.optimizers.SGD(1e-6), allreduce_dtype=dtype, dynamic=True), steps=1
+        )
+        assert int(opt.iterations.numpy()) == 1 and int(opt.skipped_steps.numpy()) == 0
+        assert float(opt.loss_scale) == 2.0**15
+        weights[dtype] = model.get_weights()
+    for a, b in zip(weights[None], weights["float16"]):
+        np.testing.assert_allclose(b, a, rtol=2.0**-10)
+
+
+def test_a_float32_output_layer_under_mixed_float16_loses_no_step():
+    """The issue's run: the float32 head's scaled gradient is above 65504; float16 sums take every step float32 takes."""
+    strategy = two_replica_strategy()
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(32, 4)).astype("float32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+    results = {}
+    for dtype in (None, "float16", "bfloat16"):
+        keras.config.set_dtype_policy("mixed_float16")
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            # Hidden activations near 50 (the bias): the head's kernel gradient, about 50 times the
+            # error, is above 65504 at the scale 2^15, while the float16 layer's gradients stay finite.
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu", bias_initializer=
+                                                                            keras.initializers.Constant(50.0)),
+                                      keras.layers.Dense(1, dtype="float32", kernel_initializer=
+                                                         keras.initializers.RandomNormal(stddev=0.01))])
+            model.compile(optimizer=kmix.wrap(keras.optimizers.Adam(1e-2), allreduce_dtype=dtype), loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        opt = model.optimizer
+        results[dtype] = (model.get_weights(), int(opt.skipped_steps.numpy()), int(opt.iterations.numpy()))
+        assert_same_on_both_replicas(model.trainable_variables)
+    head_kernel = results[None][0][2]
+    assert results[None][1:] == (0, 4)  # float32 sums: every step taken at 2^15...
+    for dtype in ("float16", "bfloat16"):
+        weights, skipped, iterations = results[dtype]
+        assert (skipped, iterations) == (0, 4), dtype  # ...and so with half sums
+        for a, b in zip(results[None][0], weights):
+            np.testing.assert_allclose(np.float32(b), np.float32(a), rtol=1e-2, atol=1e-2 * np.abs(head_kernel).max())
+
+
+def test_wire_scales_are_exact_powers_of_two_below_2_15():
+    bounds = tf.constant([1.0, 3.0, 65504.0, 2.0**40, 1e-30, 0.0, np.inf, np.nan, 2.0**-140], tf.float32)
+    got = allreduce.wire_scales(bounds).numpy()
+    finite = np.isfinite(bounds.numpy())
+    products = bounds.numpy()[:5] * got[:5]
+    assert np.all((products >= 2.0**14) & (products < 2.0**15))
+    assert np.all(np.log2(got) == np.round(np.log2(got)))  # powers of two
+    assert got[5] == 2.0**120 and got[8] == 2.0**120  # zero and subnormal bounds: the cap
+    assert got[6] == got[7] == 1.0 and not finite[6:8].any()  # inf / NaN reach the sums as they are
 
 
 def test_accumulation_reduces_once_per_step_and_matches_float32(monkeypatch):
@@ -223,7 +278,8 @@ def test_config_round_trip_and_bad_values():
         assert type(again) is kmix.LossScaleOptimizer and again.allreduce_dtype == dtype
         assert again.get_config() == opt.get_config()
     assert kmix.LossScaleOptimizer(keras.optimizers.SGD(), allreduce_dtype=tf.bfloat16).allreduce_dtype == "bfloat16"
-    assert kmix.wrap("sgd", allreduce_dtype="float16").dynamic  # float16 sums want a dynamic scale
+    # The float16 sums keep their range with their own wire scale: no loss scale needed for them.
+    assert not kmix.wrap("sgd", allreduce_dtype="float16").dynamic
     assert not kmix.wrap("sgd", allreduce_dtype="bfloat16").dynamic
     for bad in ("fp16", "float32", 16, True):
         for make in (kmix.wrap, kmix.LossScaleOptimizer):
