@@ -7,9 +7,12 @@ rows per worker, with `kmix.wrap(SGD, allreduce_dtype=...)` for each
 reduction dtype, rounds alternating so that drift on a shared machine hits
 every dtype. Each worker uses one intra-op thread (two workers on a 2-core
 machine stand for two machines). Prints per dtype the median step time, the
-gradient bytes each worker sends into the all-reduce per step, and the ratio
-to float32; then the accuracy table: a small MLP trained for `--accuracy-steps`
-steps with each reduction, its loss on held-out rows at the end.
+steps skipped for non-finite sums, the bytes each worker sends into the
+all-reduces per step, and the ratios to float32; then the accuracy table: a
+small MLP under `mixed_float16` with a float32 output layer (whose scaled
+gradient is above float16's 65504 at the start) trained for
+`--accuracy-steps` steps with `kmix.wrap(Adam)` and each reduction: its
+steps skipped and its loss on held-out rows at the end.
 """
 
 import argparse
@@ -49,10 +52,11 @@ def main(argv=None):
     rows = _timing_rows(results, args)
     print(f"Two workers on 127.0.0.1, {results['params']:,} parameters, "
           f"{ROWS_PER_WORKER} rows per worker, SGD, median of {args.rounds} x {args.steps} steps:")
-    print(format_table(["all-reduce", "step ms", "MB per step", "step / float32", "bytes / float32"], rows))
+    print(format_table(["all-reduce", "step ms", "skipped", "MB per step", "step / float32", "bytes / float32"], rows))
     if results.get("loss"):
-        print(f"\nA small MLP (regression), Adam 1e-2, {args.accuracy_steps} steps, held-out loss:")
-        print(format_table(["all-reduce", "loss", "loss / float32"], _accuracy_rows(results)))
+        print(f"\nA small MLP (regression) under mixed_float16, float32 output layer, Adam 1e-2, "
+              f"{args.accuracy_steps} steps:")
+        print(format_table(["all-reduce", "skipped", "held-out loss", "loss / float32"], _accuracy_rows(results)))
     return rows
 
 
@@ -60,7 +64,7 @@ def _timing_rows(results, args):
     base = results["step_s"]["float32"]
     base_bytes = results["bytes"]["float32"]
     return [
-        [name, 1e3 * results["step_s"][name], results["bytes"][name] / 1e6,
+        [name, 1e3 * results["step_s"][name], results["skipped"][name], results["bytes"][name] / 1e6,
          results["step_s"][name] / base, results["bytes"][name] / base_bytes]
         for name in ("float32", "float16", "bfloat16")
     ]
@@ -68,7 +72,8 @@ def _timing_rows(results, args):
 
 def _accuracy_rows(results):
     base = results["loss"]["float32"]
-    return [[name, results["loss"][name], results["loss"][name] / base] for name in ("float32", "float16", "bfloat16")]
+    return [[name, results["loss_skipped"][name], results["loss"][name], results["loss"][name] / base]
+            for name in ("float32", "float16", "bfloat16")]
 
 
 # ------------------------------------------------------------------ the pair
@@ -145,7 +150,7 @@ def _worker(args):
     x = tf.random.stateless_normal((global_batch, args.width), (1, 2))
     dataset = tf.data.Dataset.from_tensors(x).repeat()
     batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
-    steps, times, byte_counts, params = {}, {}, {}, 0
+    steps, times, byte_counts, optimizers, params = {}, {}, {}, {}, 0
     for dtype in DTYPES:
         with strategy.scope():
             model = big_model()
@@ -155,6 +160,7 @@ def _worker(args):
         name = dtype or "float32"
         byte_counts[name] = allreduce.bytes_per_step(model.trainable_variables, dtype)
         steps[name] = _make_step(strategy, model, opt, global_batch)
+        optimizers[name] = opt
         times[name] = []
         steps[name](batch).numpy()  # trace and warm up
     for r in range(args.rounds):
@@ -164,11 +170,13 @@ def _worker(args):
                 step(batch).numpy()
                 times[name].append(time.perf_counter() - start)
         print(f"round {r}: " + ", ".join(f"{n} {1e3 * median(t):.1f} ms" for n, t in times.items()), flush=True)
-    results = {"params": params, "bytes": byte_counts, "step_s": {n: median(t) for n, t in times.items()}}
+    results = {"params": params, "bytes": byte_counts, "step_s": {n: median(t) for n, t in times.items()},
+               "skipped": {n: _skipped(keras, opt) for n, opt in optimizers.items()}}
     if args.accuracy_steps:
-        results["loss"] = {(d or "float32"): _train_small(strategy, keras, kmix, d, args.accuracy_steps)
-                           for d in DTYPES}
-        print(f"losses: {results['loss']}", flush=True)
+        small = {(d or "float32"): _train_small(strategy, keras, kmix, d, args.accuracy_steps) for d in DTYPES}
+        results["loss"] = {n: loss for n, (loss, _) in small.items()}
+        results["loss_skipped"] = {n: skipped for n, (_, skipped) in small.items()}
+        print(f"losses: {results['loss']}, skipped: {results['loss_skipped']}", flush=True)
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     if index == 0:
         with open(os.path.join(args.out, "results.json"), "w") as f:
@@ -193,8 +201,16 @@ def _make_step(strategy, model, opt, global_batch):
     return step
 
 
+def _skipped(keras, opt):
+    return int(keras.ops.convert_to_numpy(opt.skipped_steps))
+
+
 def _train_small(strategy, keras, kmix, dtype, steps):
-    """Held-out MSE of a small MLP after `steps` steps of Adam with gradients reduced in `dtype`."""
+    """(held-out MSE, steps skipped) of a mixed_float16 MLP after `steps` steps of Adam reduced in `dtype`.
+
+    Its float32 output layer's gradient times the loss scale (2^15) is above
+    65504 at the start: cast for a float16 wire as it is, it would be inf.
+    """
     import numpy as np
     import tensorflow as tf
 
@@ -202,10 +218,11 @@ def _train_small(strategy, keras, kmix, dtype, steps):
     w = rng.normal(size=(16, 1)).astype("float32")
     x = rng.normal(size=(4096 + 512, 16)).astype("float32")
     y = np.tanh(x @ w) + 0.1 * np.sin(3 * x[:, :1])
-    with strategy.scope():
+    y = 8.0 * y  # errors of several units at the start: the head's scaled gradient is above 65504
+    with strategy.scope(), kmix.policy_scope("mixed_float16"):
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"),
-                                  keras.layers.Dense(64, activation="relu"), keras.layers.Dense(1)])
+                                  keras.layers.Dense(64, activation="relu"), keras.layers.Dense(1, dtype="float32")])
         opt = kmix.wrap(keras.optimizers.Adam(1e-2), allreduce_dtype=dtype)
         opt.build(model.trainable_variables)
     global_batch = 32
@@ -224,7 +241,8 @@ def _train_small(strategy, keras, kmix, dtype, steps):
     step = tf.function(lambda batch: strategy.run(step_fn, args=batch))
     for _ in range(steps):
         step(next(iterator))
-    return float(np.mean((keras.ops.convert_to_numpy(model(x[4096:])) - y[4096:]) ** 2))
+    loss = float(np.mean((keras.ops.convert_to_numpy(model(x[4096:])).astype("float32") - y[4096:]) ** 2))
+    return loss, _skipped(keras, opt)
 
 
 def _wait_for_peer(folder, index):
