@@ -169,7 +169,7 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
 
     place.place(plan)
     unplaced = _check_reload(model, adopt=True)
-    kept = _keep_what_fails(model, plan, specs)
+    kept = _keep_what_fails(_traceable(model, specs), plan)
     if kept:  # what it kept in float32, a reload must keep too
         unplaced = _check_reload(model, adopt=False)
     place.reset_compiled_functions(model)
@@ -200,7 +200,10 @@ def _check_model(model):
         raise TypeError(
             f"`model` must be a keras.Model. Received: model={model!r} (of type {type(model).__name__})."
         )
-    if not model.built:
+    layers = [layer for _, layer, _ in walk(model)]
+    # A subclassed model whose call is never used (keras.io's VAE trains its built encoder and
+    # decoder in `train_step`) is placed through its built layers.
+    if not model.built and not (layers and all(layer.built for layer in layers)):
         raise ValueError(
             f"Model {model.name!r} is not built, so its layers have no variables to place. "
             "Start it with `keras.Input(shape)`, call it on a batch, or call `model.build(input_shape)` first."
@@ -226,24 +229,46 @@ def _plan(rules, model, specs):
     return rules.plan(model, outputs)
 
 
-def _keep_what_fails(model, plan, specs):
+def _traceable(model, specs):
+    """`[(model or nested model, input specs)]` to call symbolically: the model, else its graph parts.
+
+    A subclassed model never called on one input (keras.io's VAE, whose
+    `train_step` calls its encoder and decoder) is checked through the
+    outermost graph models inside it.
+    """
+    if specs is not None:
+        return [(model, specs)]
+    units, covered = [], set()
+    for _, layer, parent in walk(model):  # parents come before the layers inside them
+        if id(parent) in covered:
+            covered.add(id(layer))
+        elif is_graph_model(layer) and trace.input_specs(layer) is not None:
+            units.append((layer, trace.input_specs(layer)))
+            covered.add(id(layer))
+    return units
+
+
+def _keep_what_fails(units, plan):
     """Keeps in float32 each half layer whose `call` raises in a symbolic call of the placed model.
+
+    Args:
+        units: `_traceable`'s `(model, specs)` pairs.
+        plan: the plan placed.
 
     Returns:
         `{id(layer): the error}` for the layers kept.
     """
-    if specs is None:
-        return {}
     paths = {id(layer): path for path, layer, _, _ in plan}
     kept = {}
-    for _ in range(_TRIES):
-        traced = trace.trace(model, specs)
-        layer = traced.culprit
-        if traced.error is None or layer is None or id(layer) in kept or layer.compute_dtype == "float32":
-            break  # placed cleanly, or it fails in float32 too: not a placement's doing
-        kept[id(layer)] = _first_words(traced.error)
-        for sub in [layer] + [sub for _, sub, _ in walk(layer)]:
-            place.set_policy(sub, "float32")
+    for unit, specs in units:
+        for _ in range(_TRIES):
+            traced = trace.trace(unit, specs)
+            layer = traced.culprit
+            if traced.error is None or layer is None or id(layer) in kept or layer.compute_dtype == "float32":
+                break  # placed cleanly, or it fails in float32 too: not a placement's doing
+            kept[id(layer)] = _first_words(traced.error)
+            for sub in [layer] + [sub for _, sub, _ in walk(layer)]:
+                place.set_policy(sub, "float32")
     if kept:
         names = [paths.get(i, "?") for i in kept]
         warnings.warn(

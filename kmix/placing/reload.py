@@ -26,9 +26,9 @@ from kmix.policy.placement import is_auto_named, own_weights, resolved_policy, s
 
 def reloaded(model):
     """`model` built from its config as `load_model` builds it (no weights), or the error why not."""
-    config = keras.saving.serialize_keras_object(model)
-    config.pop("compile_config", None)
     try:
+        config = keras.saving.serialize_keras_object(model)
+        config.pop("compile_config", None)
         with keras.saving.custom_object_scope(user_classes(model)):
             # safe_mode=False: a Lambda's function is the user's own, from this process.
             return keras.saving.deserialize_keras_object(config, safe_mode=False), None

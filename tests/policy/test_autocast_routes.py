@@ -162,3 +162,69 @@ def test_subclassed_model_trains_with_xla_like_float32(level):
     # An easy regression: both reach the same loss, whatever the CPU's half kernels.
     assert np.isfinite(got).all() and got[-1] < 0.3 * got[0]
     np.testing.assert_allclose(got[-1], reference[-1], rtol=0.5, atol=0.02)
+
+
+class KerasIOSampling(keras.layers.Layer):
+    """keras.io's VAE sampling layer, verbatim: `*` between a half tensor and float32 noise fails."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(1337)
+
+    def call(self, inputs):
+        z_mean, z_log_var = inputs
+        batch = keras.ops.shape(z_mean)[0]
+        dim = keras.ops.shape(z_mean)[1]
+        epsilon = keras.random.normal(shape=(batch, dim), seed=self.seed_generator)
+        return z_mean + keras.ops.exp(0.5 * z_log_var) * epsilon
+
+
+class VAE(keras.Model):
+    """keras.io's VAE in small: no `call`, a `train_step` on its built encoder and decoder."""
+
+    def __init__(self, encoder, decoder, **kwargs):
+        super().__init__(**kwargs)
+        self.encoder, self.decoder = encoder, decoder
+        self.tracker = keras.metrics.Mean(name="loss")
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+    def train_step(self, data):
+        with tf.GradientTape() as tape:
+            z_mean, z_log_var, z = self.encoder(data)
+            reconstruction = keras.ops.cast(self.decoder(z), "float32")
+            loss = keras.ops.mean(keras.ops.sum(keras.ops.square(data - reconstruction), axis=1))
+            loss += keras.ops.mean(keras.ops.cast(keras.ops.sum(keras.ops.square(z_mean), axis=1), "float32"))
+        grads = tape.gradient(loss, self.trainable_weights)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+        self.tracker.update_state(loss)
+        return {"loss": self.tracker.result()}
+
+
+def test_keras_io_vae_unbuilt_with_its_sampling_layer():
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(16, activation="relu")(inputs)
+    z_mean, z_log_var = keras.layers.Dense(2, name="z_mean")(h), keras.layers.Dense(2, name="z_log_var")(h)
+    encoder = keras.Model(inputs, [z_mean, z_log_var, KerasIOSampling(name="sampling")([z_mean, z_log_var])],
+                          name="encoder")
+    latent = keras.Input((2,))
+    decoder = keras.Model(latent, keras.layers.Dense(8, name="out")(keras.layers.Dense(16, activation="relu")(latent)),
+                          name="decoder")
+    vae = VAE(encoder, decoder)
+    assert not vae.built  # never called: its encoder and decoder are built
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert kmix.autocast(vae, "mixed_bfloat16") is vae
+    kept = [str(w.message) for w in caught if "kept" in str(w.message)]
+    assert kept and "encoder/sampling" in kept[0], [str(w.message) for w in caught]
+    assert encoder.get_layer("sampling").compute_dtype == "float32"
+    assert decoder.get_layer("out").compute_dtype == "bfloat16"
+    data = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+    with kmix.policy_scope("mixed_bfloat16"):
+        vae.compile(optimizer=kmix.wrap(keras.optimizers.Adam(1e-2)))
+    weights = [_numpy(v) for v in decoder.trainable_weights]
+    history = vae.fit(data, epochs=2, batch_size=32, verbose=0).history["loss"]
+    assert np.isfinite(history).all()
+    assert all(not np.array_equal(_numpy(v), w) for v, w in zip(decoder.trainable_weights, weights))
