@@ -123,18 +123,21 @@ def test_a_small_model_trains_like_float32_masters():
     x = rng.normal(size=(256, 8)).astype(np.float32)
     y = (x @ rng.normal(size=(8, 1)) + 0.1 * np.sin(3 * x[:, :1])).astype(np.float32)
     losses = {}
-    for mw in (True, "kahan"):
-        with policy_scope(kmix.Policy("O2", half="bfloat16")):
+    for mw in ("float32", True, "kahan"):
+        level = "float32" if mw == "float32" else kmix.Policy("O2", half="bfloat16")
+        with policy_scope(level):
             keras.utils.set_random_seed(1)
             model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(32, activation="relu"),
                                       keras.layers.Dense(1)])
-            model.compile(optimizer=kmix.wrap(keras.optimizers.SGD(3e-3, momentum=0.9), master_weights=mw),
-                          loss="mse", steps_per_execution=8)
+            inner = keras.optimizers.SGD(3e-3, momentum=0.9)
+            optimizer = inner if mw == "float32" else kmix.wrap(inner, master_weights=mw)
+            model.compile(optimizer=optimizer, loss="mse", steps_per_execution=8)
             history = model.fit(x, y, batch_size=32, epochs=12, shuffle=False, verbose=0)
         losses[mw] = history.history["loss"][-1]
-    first = float(np.mean(y**2))
-    assert losses[True] < 0.05 * first
-    # Within noise of the float32-master run.
+    # The reference: the float32 model with the bare optimizer, the same 96 steps (0.049 here,
+    # from 5.1; bfloat16 with float32 masters 0.037). Within bfloat16's noise of it...
+    assert losses[True] < 1.5 * losses["float32"], losses
+    # ...and the Kahan run within noise of the float32-master run.
     assert abs(losses["kahan"] - losses[True]) < 0.15 * losses[True], losses
 
 
