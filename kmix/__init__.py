@@ -21,6 +21,7 @@ from kmix.optimizers import LossScaleOptimizer, wrap  # noqa: E402
 from kmix.placing import autocast  # noqa: E402
 from kmix.policy import Policy, active_policy, memory_report, policy_scope, set_policy  # noqa: E402
 from kmix.recommendation import Recommendation, recommend  # noqa: E402
+from kmix.serving import export  # noqa: E402
 
 __all__ = [
     "Diagnosis",
@@ -33,6 +34,7 @@ __all__ = [
     "callbacks",
     "diagnose",
     "distribute",
+    "export",
     "layers",
     "memory_report",
     "ops",

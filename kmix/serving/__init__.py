@@ -1,0 +1,7 @@
+"""Serving: `kmix.export` writes a half-precision artifact, checked against float32 before it is written."""
+
+from kmix.serving.check import Comparison, NotFiniteError
+from kmix.serving.pipeline import ExportReport, export
+from kmix.serving.storage import HalfStoragePolicy
+
+__all__ = ["Comparison", "ExportReport", "HalfStoragePolicy", "NotFiniteError", "export"]

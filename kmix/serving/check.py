@@ -1,0 +1,163 @@
+"""The check before `kmix.export` writes: the half model against the float32 one, on a sample.
+
+The sample is the user's (arrays, tensors, lists / dicts of them, or a
+`tf.data.Dataset`'s first batch) or drawn from the model's input specs:
+float inputs from a standard normal, integer inputs (token ids) below the
+smallest `Embedding`'s `input_dim`, inputs named like a mask all ones. A
+half model whose outputs are not finite where the float32 model's are is
+refused: `NotFiniteError` names the layers `kmix.diagnose` finds
+overflowing, which `kmix.export(..., float32_layers=...)` keeps in float32.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from kmix.placing.trace import input_specs
+from kmix.policy.placement import walk
+
+DRAWN_BATCH = 8  # items in a drawn sample
+DRAWN_LENGTH = 16  # a drawn sample's length along the other axes the specs leave open
+
+
+class NotFiniteError(ValueError):
+    """`kmix.export` refused a model: its half-precision outputs are not finite on the sample.
+
+    Attributes:
+        float32_layers: the layer names or paths to keep in float32
+            (`kmix.export(..., float32_layers=...)`), as `kmix.diagnose` finds them.
+        diagnosis: the `kmix.Diagnosis`, or None where the diagnosis could not run.
+    """
+
+    def __init__(self, message, float32_layers, diagnosis):
+        super().__init__(message)
+        self.float32_layers = float32_layers
+        self.diagnosis = diagnosis
+
+
+class Comparison:
+    """The half model's outputs against the float32 model's on one sample.
+
+    Attributes:
+        max_abs_diff: the largest |half - float32| over every output value.
+        max_abs_float32: the largest |float32 output|, to read the difference against.
+        top1_agreement: for a single output with a last axis of 2 or more
+            (a classifier's scores, a language model's logits): how often the
+            argmax over the last axis agrees; None otherwise.
+        finite: whether every half output is finite where float32's is.
+        float32_finite: whether every float32 output is finite.
+    """
+
+    def __init__(self, reference, half):
+        ref = [np.asarray(t, np.float32) for t in keras.tree.flatten(reference)]
+        got = [np.asarray(tf.cast(t, tf.float32)) for t in keras.tree.flatten(half)]
+        self.float32_finite = all(np.all(np.isfinite(r)) for r in ref)
+        self.finite = all(np.all(np.isfinite(g) | ~np.isfinite(r)) for r, g in zip(ref, got))
+        diffs = [np.abs(g - r)[np.isfinite(r) & np.isfinite(g)] for r, g in zip(ref, got)]
+        self.max_abs_diff = max((float(d.max()) for d in diffs if d.size), default=0.0)
+        self.max_abs_float32 = max((float(np.abs(r[np.isfinite(r)]).max()) for r in ref if np.isfinite(r).any()), default=0.0)
+        self.top1_agreement = None
+        if len(ref) == 1 and ref[0].ndim >= 2 and ref[0].shape[-1] >= 2:
+            self.top1_agreement = float(np.mean(ref[0].argmax(-1) == got[0].argmax(-1)))
+
+
+def sample_inputs(model, sample):
+    """The inputs to check on, and a line saying where they came from.
+
+    Args:
+        model: the user's model.
+        sample: None (drawn from the input specs), arrays / tensors (or a
+            list / dict of them), or a `tf.data.Dataset` of inputs or of
+            `(x, y)` batches.
+    """
+    if sample is None:
+        specs = input_specs(model)
+        if specs is None:
+            raise ValueError(
+                f"`sample` is needed for model {model.name!r}: it has no input specs to draw one from "
+                "(a subclassed model built from several inputs). Pass `sample=x`, a batch of inputs as "
+                "the model takes them."
+            )
+        x = _draw(model, specs)
+        shapes = keras.tree.map_structure(lambda t: tuple(t.shape), x)
+        return x, f"drawn from the input specs: {shapes}"
+    if isinstance(sample, tf.data.Dataset):
+        batch = next(iter(sample.take(1)), None)
+        if batch is None:
+            raise ValueError("`sample` is an empty tf.data.Dataset; kmix.export needs one batch of inputs.")
+        sample, _, _ = keras.utils.unpack_x_y_sample_weight(batch) if isinstance(batch, tuple) else (batch, None, None)
+    leaves = keras.tree.flatten(sample)
+    if not leaves or not all(isinstance(t, (np.ndarray, tf.Tensor)) or hasattr(t, "__array__") for t in leaves):
+        raise TypeError(
+            "`sample` must be a batch of inputs as the model takes them: NumPy arrays or tensors (or a "
+            "list / dict of them), or a tf.data.Dataset. Received: "
+            f"sample of type {type(sample).__name__}."
+        )
+    shapes = keras.tree.map_structure(lambda t: tuple(np.shape(t)), sample)
+    return sample, f"given: {shapes}"
+
+
+def outputs(model, x, argument="sample"):
+    """`model(x, training=False)`; a clear error naming `argument` where `x` does not fit."""
+    try:
+        return model(x, training=False)
+    except (ValueError, TypeError, KeyError, tf.errors.InvalidArgumentError) as e:
+        raise ValueError(
+            f"`{argument}` does not fit model {model.name!r}'s inputs: calling the model on it failed with "
+            f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+        ) from e
+
+
+def refuse(comparison, reference, x, half, float32_layers):
+    """The `NotFiniteError` for a half model with non-finite outputs, naming the layers that overflow.
+
+    `kmix.diagnose` runs on a float32 copy (`reference`, compiled here with a
+    squared-error loss against zeros: the diagnosis needs gradients) and the
+    sample, under the half dtype.
+    """
+    from kmix.diagnose import diagnose
+    from kmix.policy import Policy
+
+    diagnosis = None
+    try:
+        reference.compile(optimizer="sgd", loss="mse")
+        y = keras.tree.map_structure(lambda t: np.zeros(t.shape, np.float32), outputs(reference, x))
+        diagnosis = diagnose(reference, x, y, policy=Policy("O1", half=half), batches=1,
+                             batch_size=len(keras.tree.flatten(y)[0]), float32_layers=float32_layers)
+        found = list(diagnosis.float32_layers)
+        rows = [f"  {row.path} ({row.class_name}): max |out| {row.output.max_abs:.3g} in float32, {row.verdict}"
+                for row in diagnosis.layers if row.verdict not in ("", "ok")]
+        why = "kmix.diagnose finds (the whole diagnosis is the error's `diagnosis`):\n" + "\n".join(rows)
+    except Exception as e:  # noqa: BLE001  the refusal stands; the diagnosis only names the layers
+        found, why = [], f"kmix.diagnose could not run ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+    keep = sorted(set(float32_layers or ()) | set(found))
+    advice = (f"Keep them in float32: kmix.export(model, path, dtype={half!r}, float32_layers={keep!r})"
+              if found else f"Pass the layers to keep in float32 as `float32_layers`, or use dtype='bfloat16' "
+              "(float32's range)")
+    return NotFiniteError(
+        f"kmix.export refused to write: the {half} model's outputs are not finite on the sample where the "
+        f"float32 model's are (largest |float32 output| {comparison.max_abs_float32:.4g}). "
+        f"Layers to keep in float32: {found or 'not found'}; {why}\n{advice}.",
+        keep,
+        diagnosis,
+    )
+
+
+def _draw(model, specs):
+    rng = np.random.default_rng(0)
+    vocab = min((layer.input_dim for _, layer, _ in walk(model) if isinstance(layer, keras.layers.Embedding)),
+                default=2)
+
+    def draw(path, spec):
+        shape = [DRAWN_BATCH if i == 0 else (DRAWN_LENGTH if d is None else d) for i, d in enumerate(spec.shape)]
+        dtype = spec.dtype
+        if dtype.is_floating:
+            return rng.standard_normal(shape).astype(np.float32)
+        if "mask" in "/".join(str(p) for p in path).lower():
+            return np.ones(shape, dtype.as_numpy_dtype)
+        if dtype == tf.bool:
+            return np.ones(shape, bool)
+        return rng.integers(0, vocab, size=shape).astype(dtype.as_numpy_dtype)
+
+    flat = keras.tree.flatten_with_path(specs)
+    return keras.tree.pack_sequence_as(specs, [draw(path, spec) for path, spec in flat])

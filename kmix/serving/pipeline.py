@@ -1,0 +1,238 @@
+"""`kmix.export(model, path)`: a half-precision serving artifact, checked against float32 before it is written.
+
+One pipeline, read top to bottom in `export`:
+
+1. place: a copy of the model under O2 with the half dtype (`kmix.autocast`):
+   half variables and compute for matmuls, convolutions and embeddings,
+   float32 for normalization, softmax and the outputs;
+2. store: the float32 layers holding a matrix (the output layer) store it in
+   half too, computing in float32 (`storage.store_in_half`);
+3. check: the half copy against the float32 model on a sample; non-finite
+   outputs are refused with the layers `kmix.diagnose` finds overflowing;
+4. write, then read the artifact back and compare it with float32 again:
+   the figures reported are the artifact's.
+"""
+
+import inspect
+import time
+
+import keras
+
+from kmix._output import progress
+from kmix.policy.placement import walk
+from kmix.policy.policy import Policy
+from kmix.serving import artifact, check, storage
+
+_HALF = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "f16": "float16"}
+
+
+class ExportReport:
+    """What `kmix.export` wrote and how far its outputs are from float32's; `str()` prints it.
+
+    Attributes:
+        paths: the artifacts written.
+        dtype: the half dtype of the weights.
+        sample: where the inputs checked came from, and their shapes.
+        max_abs_diff, max_abs_float32, top1_agreement: the artifact's outputs
+            against the float32 model's on the sample (see
+            `kmix.serving.Comparison`; `top1_agreement` is None where the model
+            has no single output with classes on its last axis).
+        weight_bytes, float32_weight_bytes: the variables as stored, and the
+            same variables in float32.
+        disk_bytes: `{path: bytes on disk}` (a SavedModel's graph is the same
+            size as a float32 export's: a small model is not halved).
+        load_seconds: `{path: seconds to read it back}`.
+        stored_in_half: the float32 layers storing half weights.
+        float32_layers: every layer computing in float32.
+        kept_float32: `{path: why}` for float32 layers with a matrix that
+            keep float32 weights.
+    """
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+    def __str__(self):
+        top1 = "n/a" if self.top1_agreement is None else f"{self.top1_agreement:.1%}"
+        lines = [
+            f"kmix.export: {self.dtype} weights, float32 in and out; checked on a sample {self.sample}",
+            f"  max |out - float32|: {self.max_abs_diff:.4g} (largest |float32 out| {self.max_abs_float32:.4g}); "
+            f"top-1 = float32: {top1}",
+            f"  weights: {self.weight_bytes:,} bytes ({self.weight_bytes / max(self.float32_weight_bytes, 1):.2f}x "
+            f"their float32 {self.float32_weight_bytes:,})",
+            f"  float32 compute: {len(self.float32_layers)} layers; of these storing {self.dtype}: "
+            f"{self.stored_in_half or 'none'}",
+        ]
+        for path, why in self.kept_float32.items():
+            lines.append(f"  float32 weights kept in {path}: {why}")
+        for path in self.paths:
+            lines.append(f"  wrote {path}: {self.disk_bytes[path]:,} bytes, read back in {self.load_seconds[path]:.2f} s")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, verbose=True):
+    """Writes a half-precision serving artifact of `model`, checked against its float32 outputs.
+
+    The artifact is a TensorFlow SavedModel directory with a `serve`
+    endpoint (as Keras's `model.export(path, format="tf_saved_model")`
+    writes), or a `.keras` file for a path ending in `.keras`. Its weights
+    are stored in `dtype`, about half the bytes of float32; it computes as
+    kmix's O2 places a model: matmuls, convolutions and embeddings in
+    `dtype`, normalization, softmax and the output layers in float32 (the
+    output layer's weights stored in `dtype` and read as float32); it takes
+    float32 inputs (token ids as they are) and returns float32 outputs.
+
+    Before writing, the half model runs on a sample beside the float32
+    model; outputs that are not finite where float32's are refuse the
+    export (`kmix.serving.NotFiniteError`, naming the layers
+    `kmix.diagnose` finds overflowing). After writing, the artifact is read
+    back and compared with float32 again: the report's figures are the
+    artifact's. `model` is not changed (a placed copy is written).
+
+    Args:
+        model: a built `keras.Model` (Sequential, functional, subclassed,
+            keras.applications, keras-hub backbones and tasks), in float32
+            or already placed by `kmix.autocast`.
+        filepath: a directory for a SavedModel, a path ending in `.keras`,
+            or a list of them (one check, every artifact written).
+        dtype: `"bfloat16"` (the default: float32's range) or `"float16"`.
+        sample: inputs to check on, as the model takes them (arrays or
+            tensors, lists / dicts of them, or a `tf.data.Dataset`); by
+            default drawn from the input specs (a standard normal, token ids
+            below the smallest embedding's vocabulary). A real batch checks
+            what you serve.
+        float32_layers: layer names, paths or classes to keep in float32
+            compute, as `kmix.autocast` takes them (their matrices are still
+            stored in `dtype` where the values fit).
+        verbose: print progress and the report.
+
+    Returns:
+        An `ExportReport`: paths, the largest difference from float32 and
+        top-1 agreement, bytes as stored against float32, bytes on disk,
+        load time.
+
+    Raises:
+        TypeError / ValueError: naming the argument, for a model that is not
+            a built `keras.Model`, a bad path, a `dtype` other than the two
+            half dtypes, or a sample that does not fit the model.
+        kmix.serving.NotFiniteError: when the half outputs are not finite;
+            its `float32_layers` are what to pass to retry.
+
+    Example:
+
+    >>> report = kmix.export(model, "serving/1", sample=x_val[:64])
+    >>> print(report.max_abs_diff, report.top1_agreement)
+    >>> served = tf.saved_model.load("serving/1")
+    >>> probs = served.serve(x_val[:8])                     # float32 in, float32 out
+    """
+    paths = _check_paths(filepath)
+    half = _check_dtype(dtype)
+    _check_model(model)
+    say = progress if verbose else (lambda message: None)
+    x, origin = check.sample_inputs(model, sample)
+
+    say(f"kmix.export: placing a {half} copy of {model.name!r}")
+    served = _placed_copy(model, Policy("O2", half=half), float32_layers)
+    stored, kept = storage.store_in_half(served, half)
+    reference = model if _computes_in_float32(model) else _placed_copy(model, Policy("O0"), None)
+
+    say("kmix.export: checking it against float32 on the sample")
+    expected = check.outputs(reference, x)
+    if not check.Comparison(expected, expected).float32_finite:
+        raise ValueError(
+            f"`sample` gives non-finite outputs in float32 already (model {model.name!r}): there is nothing to "
+            "check the half model against. Pass inputs the model was trained on."
+        )
+    half_outputs = check.outputs(served, x)
+    before = check.Comparison(expected, half_outputs)
+    if not before.finite:
+        say("kmix.export: non-finite outputs in half precision; diagnosing")
+        raise check.refuse(before, _placed_copy(model, Policy("O0"), None), x, half, float32_layers)
+
+    disk, seconds, worst = {}, {}, None
+    for path in paths:
+        say(f"kmix.export: writing {path}")
+        artifact.write(served, path, x)
+        say(f"kmix.export: reading {path} back")
+        predict, seconds[path] = artifact.load(path, served)
+        result = check.Comparison(expected, predict(x))
+        # Read back, a graph may round otherwise (fused kernels); a model rebuilt wrong is further off.
+        if not result.finite or result.max_abs_diff > 4 * before.max_abs_diff + 1e-6 * before.max_abs_float32:
+            raise ValueError(
+                f"kmix.export wrote {path}, but read back it is {result.max_abs_diff:.4g} from float32 where "
+                f"the model it wrote is {before.max_abs_diff:.4g}: it does not compute as that model does."
+                + (" A saved config does not rebuild this model as it is: export to a SavedModel directory "
+                   "(a path not ending in .keras)." if artifact.kind(path) == "keras" else "")
+            )
+        worst = result if worst is None or result.max_abs_diff > worst.max_abs_diff else worst
+        disk[path] = artifact.disk_bytes(path)
+
+    weight_bytes, float32_bytes = storage.weight_bytes(served)
+    report = ExportReport(
+        paths=paths, dtype=half, sample=origin, max_abs_diff=worst.max_abs_diff,
+        max_abs_float32=worst.max_abs_float32, top1_agreement=worst.top1_agreement,
+        weight_bytes=weight_bytes, float32_weight_bytes=float32_bytes, disk_bytes=disk,
+        load_seconds=seconds, stored_in_half=stored, kept_float32=kept,
+        float32_layers=[p for p, layer, _ in walk(served) if layer.compute_dtype == "float32" and layer.weights],
+    )
+    if verbose:
+        print(report)
+    return report
+
+
+def _placed_copy(model, policy, float32_layers):
+    """`kmix.autocast(model, policy, copy=True)`; before #26 autocast had no `copy` and always copied."""
+    from kmix import autocast
+
+    if "copy" not in inspect.signature(autocast).parameters:
+        return autocast(model, policy, float32_layers=float32_layers)
+    try:
+        return autocast(model, policy, float32_layers=float32_layers, copy=True)
+    except ValueError as e:
+        if "copy=True" not in str(e):
+            raise
+        raise ValueError(
+            f"kmix.export writes a placed copy of model {model.name!r} and leaves the model as it is, but the "
+            "model cannot be copied as `model.save` and `keras.models.load_model` copy it: "
+            f"{str(e).split('survive that: ')[-1]} A subclassed model's `__init__` must take `**kwargs` "
+            "and pass them to `super().__init__`, and `get_config` must return its other arguments."
+        ) from e
+
+
+def _computes_in_float32(model):
+    """Whether every layer of `model` computes in float32 with float32 (or non-float) variables."""
+    if any(keras.backend.standardize_dtype(v.dtype) in ("float16", "bfloat16") for v in model.weights):
+        return False
+    return all(layer.compute_dtype == "float32" for _, layer, _ in walk(model))
+
+
+def _check_paths(filepath):
+    items = list(filepath) if isinstance(filepath, (list, tuple)) else [filepath]
+    paths = [artifact.check_path("filepath", p) for p in items]
+    if not paths:
+        raise ValueError("`filepath` must name at least one artifact. Received: filepath=[].")
+    return paths
+
+
+def _check_dtype(dtype):
+    half = _HALF.get(dtype) if isinstance(dtype, str) else None
+    if half is None:
+        raise ValueError(
+            "`dtype` must be the half dtype to store and compute in: 'bfloat16' (float32's range; fast on "
+            "CPUs with AVX512_BF16 / AMX and on GPUs from compute capability 8.0) or 'float16'. "
+            f"Received: dtype={dtype!r}"
+        )
+    return half
+
+
+def _check_model(model):
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"`model` must be a keras.Model. Received: model={model!r} (of type {type(model).__name__})."
+        )
+    if not model.built:
+        raise ValueError(
+            f"`model` must be built: model {model.name!r} has no weights yet. Call it on a batch, or "
+            "start it with keras.Input(shape)."
+        )

@@ -1,0 +1,249 @@
+"""`kmix.export`: half-precision serving artifacts, each checked against the float32 model's predictions."""
+
+import inspect
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmix
+from kmix.serving import HalfStoragePolicy, NotFiniteError, artifact, export
+
+# bfloat16 keeps 8 bits of mantissa: a few roundings on the way give about 1e-2 relative.
+BF16_RTOL = 0.05
+IN_PLACE_AUTOCAST = "copy" in inspect.signature(kmix.autocast).parameters
+
+
+def mlp(width=64, classes=10):
+    keras.utils.set_random_seed(0)
+    x = keras.Input((32,), name="features")
+    h = keras.layers.Dense(width, activation="relu")(x)
+    h = keras.layers.LayerNormalization()(h)
+    h = keras.layers.Dense(width, activation="gelu")(h)
+    return keras.Model(x, keras.layers.Dense(classes, activation="softmax", name="probs")(h))
+
+
+def inputs(shape, seed=1):
+    return np.random.default_rng(seed).normal(size=shape).astype("float32")
+
+
+def snapshot(model):
+    """What export must leave as it was: weights (bitwise), dtypes, policies, compiled functions."""
+    return (
+        [(v.path, keras.backend.standardize_dtype(v.dtype), v.numpy().tobytes()) for v in model.weights],
+        [(layer.name, type(layer).__name__, layer.dtype_policy.name) for layer in model._flatten_layers()],
+        model.predict_function,
+    )
+
+
+def served(path):
+    """The SavedModel at `path`, as a server loads it: its `serve` endpoint (the object keeps its variables)."""
+    loaded = tf.saved_model.load(path)
+    return lambda x: loaded.serve(x)
+
+
+def checkpoint_dtypes(path):
+    reader = tf.train.load_checkpoint(os.path.join(path, "variables", "variables"))
+    return {k: v for k, v in reader.get_variable_to_dtype_map().items() if k != "_CHECKPOINTABLE_OBJECT_GRAPH"}
+
+
+def test_functional_savedmodel_half_weights_float32_in_and_out(tmp_path):
+    model = mlp(width=512)
+    before = snapshot(model)
+    x = inputs((64, 32))
+    expected = model.predict(x, verbose=0)
+    report = export(model, str(tmp_path / "half"), sample=x, verbose=False)
+    assert snapshot(model)[:2] == before[:2]
+
+    got = served(str(tmp_path / "half"))(x)
+    assert got.dtype == tf.float32
+    got = got.numpy()
+    np.testing.assert_allclose(got, expected, atol=BF16_RTOL * np.abs(expected).max())
+    assert report.max_abs_diff == pytest.approx(np.abs(got - expected).max(), rel=1e-3, abs=1e-7)
+    assert report.top1_agreement == pytest.approx(np.mean(got.argmax(-1) == expected.argmax(-1)))
+    assert report.top1_agreement >= 0.9
+
+    # Stored in bfloat16 but the norm's vectors; the output layer's matrix too (read as float32).
+    dtypes = checkpoint_dtypes(str(tmp_path / "half"))
+    assert sorted(str(d.name) for d in dtypes.values()).count("float32") == 2  # layer norm gamma, beta
+    assert report.stored_in_half == ["probs"] and "probs" in report.float32_layers
+    # Against Keras's own float32 export of the same model: at most 0.55x the bytes (Keras stores
+    # every variable twice, keras-team/keras#23553; kmix once, so about a quarter).
+    model.export(str(tmp_path / "keras_f32"), format="tf_saved_model", verbose=False)
+    ours, keras_f32 = artifact.disk_bytes(tmp_path / "half"), artifact.disk_bytes(tmp_path / "keras_f32")
+    assert ours <= 0.55 * keras_f32
+    assert report.disk_bytes[str(tmp_path / "half")] == ours
+    assert report.weight_bytes <= 0.51 * report.float32_weight_bytes
+
+
+def test_sequential_to_keras_file_reloads_as_written(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((16, 16, 3)),
+        keras.layers.Conv2D(64, 3, activation="relu"),
+        keras.layers.BatchNormalization(),
+        keras.layers.Conv2D(128, 3, activation="relu"),
+        keras.layers.GlobalAveragePooling2D(),
+        keras.layers.Dense(512, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+    x = inputs((16, 16, 16, 3))
+    expected = model.predict(x, verbose=0)
+    path = str(tmp_path / "half.keras")
+    report = export(model, path, sample=x, verbose=False)
+
+    loaded = keras.models.load_model(path)
+    got = loaded.predict(x, verbose=0)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, atol=BF16_RTOL * np.abs(expected).max())
+    assert report.max_abs_diff == pytest.approx(np.abs(got - expected).max(), rel=1e-3, abs=1e-7)
+    head = loaded.layers[-1]
+    assert isinstance(head.dtype_policy[head.path], HalfStoragePolicy)
+    assert (head.compute_dtype, head.kernel.dtype) == ("float32", "bfloat16")
+    assert {keras.backend.standardize_dtype(v.dtype) for v in loaded.layers[0].weights} == {"bfloat16"}
+    model.save(str(tmp_path / "f32.keras"))
+    assert os.path.getsize(path) <= 0.55 * os.path.getsize(tmp_path / "f32.keras")
+
+
+@pytest.mark.skipif(not IN_PLACE_AUTOCAST, reason="subclassed models need kmix.autocast(copy=True) (#26)")
+def test_subclassed_model(tmp_path):
+    class Net(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hidden = keras.layers.Dense(64, activation="relu")
+            self.norm = keras.layers.LayerNormalization()
+            self.head = keras.layers.Dense(5)
+
+        def call(self, x):
+            return self.head(self.norm(self.hidden(x)))
+
+    keras.utils.set_random_seed(0)
+    model = Net()
+    x = inputs((32, 12))
+    expected = model.predict(x, verbose=0)
+    before = snapshot(model)
+    report = export(model, str(tmp_path / "net"), sample=x, verbose=False)
+    assert snapshot(model)[:2] == before[:2]
+    got = served(str(tmp_path / "net"))(x).numpy()
+    np.testing.assert_allclose(got, expected, atol=BF16_RTOL * np.abs(expected).max())
+    assert report.max_abs_diff == pytest.approx(np.abs(got - expected).max(), rel=1e-3, abs=1e-7)
+
+    class Unsaveable(keras.Model):  # its constructor refuses the arguments `load_model` passes
+        def __init__(self):
+            super().__init__()
+            self.head = keras.layers.Dense(2)
+
+        def call(self, x):
+            return self.head(x)
+
+    unsaveable = Unsaveable()
+    unsaveable(x)
+    with pytest.raises(ValueError, match="kmix.export writes a placed copy of model"):
+        export(unsaveable, str(tmp_path / "unsaveable"), sample=x, verbose=False)
+
+
+def test_keras_hub_causal_lm_and_backbone(tmp_path):
+    keras_hub = pytest.importorskip("keras_hub")
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=128, num_layers=2, num_heads=2, hidden_dim=32,
+                                             intermediate_dim=64, max_sequence_length=32)
+    lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    rng = np.random.default_rng(0)
+    x = {"token_ids": rng.integers(0, 128, (4, 12)).astype("int32"), "padding_mask": np.ones((4, 12), "int32")}
+    expected = lm.predict(x, verbose=0)
+    report = export(lm, [str(tmp_path / "lm"), str(tmp_path / "lm.keras")], sample=x, verbose=False)
+    got = served(str(tmp_path / "lm"))(x).numpy()
+    np.testing.assert_allclose(got, expected, atol=BF16_RTOL * np.abs(expected).max())
+    assert np.mean(got.argmax(-1) == expected.argmax(-1)) >= 0.9
+    reloaded = keras.models.load_model(str(tmp_path / "lm.keras")).predict(x, verbose=0)
+    assert np.abs(reloaded - expected).max() <= report.max_abs_diff * (1 + 1e-6)
+    # The vocabulary projection is the output: float32 compute, its table stored in bfloat16.
+    assert report.stored_in_half == ["gpt2_backbone/token_embedding"]
+
+    # The backbone alone: a dict of inputs drawn from its specs, float32 outputs.
+    report = export(backbone, str(tmp_path / "backbone"), verbose=False)
+    assert "token_ids" in report.sample and np.isfinite(report.max_abs_diff)
+    got = served(str(tmp_path / "backbone"))(x)
+    assert got.dtype == tf.float32
+    np.testing.assert_allclose(got.numpy(), backbone.predict(x, verbose=0), atol=0.05 * report.max_abs_float32)
+
+
+def test_a_model_placed_by_autocast_is_served_against_its_float32_self(tmp_path):
+    model = mlp()
+    x = inputs((64, 32))
+    expected = model.predict(x, verbose=0)
+    placed = kmix.autocast(model, "O1-bfloat16")
+    weights = [w.copy() for w in placed.get_weights()]
+    report = export(placed, str(tmp_path / "half"), sample=x, verbose=False)
+    assert all(np.array_equal(a, b) for a, b in zip(weights, placed.get_weights()))
+    assert placed.get_layer("probs").compute_dtype == "float32"
+    got = served(str(tmp_path / "half"))(x).numpy()
+    np.testing.assert_allclose(got, expected, atol=BF16_RTOL * np.abs(expected).max())
+    assert report.top1_agreement >= 0.9
+
+
+def test_keras_applications_model(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = keras.applications.MobileNetV2(alpha=0.35, input_shape=(32, 32, 3), weights=None, classes=10,
+                                           classifier_activation=None)
+    x = inputs((8, 32, 32, 3))
+    expected = model.predict(x, verbose=0)
+    report = export(model, str(tmp_path / "mobilenet"), sample=x, verbose=False)
+    got = served(str(tmp_path / "mobilenet"))(x).numpy()
+    np.testing.assert_allclose(got, expected, atol=BF16_RTOL * np.abs(expected).max() + 1e-6)
+    assert report.stored_in_half == ["predictions"]
+    model.export(str(tmp_path / "keras_f32"), format="tf_saved_model", verbose=False)
+    assert artifact.variables_bytes(tmp_path / "mobilenet") <= 0.55 * artifact.variables_bytes(tmp_path / "keras_f32")
+
+
+def test_float16_overflow_is_refused_naming_the_layer_then_kept_in_float32(tmp_path):
+    keras.utils.set_random_seed(0)
+    x_in = keras.Input((8,))
+    h = keras.layers.Dense(16, name="big")(x_in)
+    h = keras.layers.LayerNormalization()(h)
+    model = keras.Model(x_in, keras.layers.Dense(3, name="out")(h))
+    kernel, bias = model.get_layer("big").get_weights()
+    model.get_layer("big").set_weights([kernel * 1e5, bias])
+    x = inputs((32, 8))
+    assert np.abs(model.get_layer("big")(x)).max() > 65504  # float16's largest
+    path = str(tmp_path / "f16")
+    with pytest.raises(NotFiniteError, match="big") as refused:
+        export(model, path, dtype="float16", sample=x, verbose=False)
+    assert not os.path.exists(path)
+    assert "big" in refused.value.float32_layers
+    assert refused.value.diagnosis.first_nonfinite_layer == "big"
+
+    report = export(model, path, dtype="float16", sample=x, float32_layers=refused.value.float32_layers,
+                    verbose=False)
+    expected = model.predict(x, verbose=0)
+    got = served(path)(x).numpy()
+    np.testing.assert_allclose(got, expected, atol=0.01 * np.abs(expected).max())
+    assert "big" in report.float32_layers
+
+
+def test_sample_from_a_dataset_of_x_y_batches(tmp_path):
+    model = mlp()
+    x = inputs((16, 32))
+    data = tf.data.Dataset.from_tensor_slices((x, np.zeros(16, "int32"))).batch(8)
+    report = export(model, str(tmp_path / "half"), sample=data, verbose=False)
+    assert report.sample.startswith("given: (8, 32)")
+
+
+def test_bad_input_names_the_argument(tmp_path):
+    model = mlp()
+    path = str(tmp_path / "half")
+    with pytest.raises(ValueError, match=r"`dtype` must be .*Received: dtype='float32'"):
+        export(model, path, dtype="float32")
+    with pytest.raises(TypeError, match=r"`filepath` must be a path.*Received: filepath=3"):
+        export(model, 3)
+    with pytest.raises(TypeError, match=r"`model` must be a keras.Model.*Received: model='model'"):
+        export("model", path)
+    with pytest.raises(ValueError, match="`model` must be built"):
+        export(keras.Sequential([keras.layers.Dense(2)]), path)
+    with pytest.raises(ValueError, match=r"`sample` does not fit model"):
+        export(model, path, sample=inputs((4, 7)), verbose=False)
+    with pytest.raises(TypeError, match=r"`sample` must be a batch of inputs.*Received: sample of type str"):
+        export(model, path, sample="x", verbose=False)
+    assert not os.path.exists(path)
