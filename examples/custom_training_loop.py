@@ -13,10 +13,11 @@ own loop you do the first and `opt.apply` does the rest:
 
 `opt.apply` takes the *scaled* gradients: it checks them all for inf/NaN,
 unscales them in float32, and either applies the step or skips it (no weight,
-slot or iteration changes) and halves the scale. Do not unscale them
-yourself first (tf.keras's `get_unscaled_gradients` is there to log or clip
-true gradients, not to feed `apply`). Everything is in-graph, so the step
-compiles with `jit_compile=True`.
+slot or iteration changes) and halves the scale. TensorFlow's guide loop
+(`get_unscaled_gradients`, then `apply_gradients`) trains the same: kmix
+knows the gradients `get_unscaled_gradients` returned and does not divide
+them twice (docs/guide.md, "Custom training loops and train_step").
+Everything is in-graph, so the step compiles with `jit_compile=True`.
 
 The model is a small MLP on a synthetic 10-class problem. `--bad-batch N`
 puts a NaN in batch N, to show the step being skipped and counted.
