@@ -13,12 +13,12 @@ One pipeline, read top to bottom in `export`:
    the figures reported are the artifact's.
 """
 
-import inspect
 import time
 
 import keras
 
 from kmix._output import progress
+from kmix.placing import autocast
 from kmix.policy.placement import walk
 from kmix.policy.policy import Policy
 from kmix.serving import artifact, check, storage
@@ -182,20 +182,17 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
 
 
 def _placed_copy(model, policy, float32_layers):
-    """`kmix.autocast(model, policy, copy=True)`; before #26 autocast had no `copy` and always copied."""
-    from kmix import autocast
-
-    if "copy" not in inspect.signature(autocast).parameters:
-        return autocast(model, policy, float32_layers=float32_layers)
+    """`kmix.autocast(model, policy, copy=True)`, its error worded for `export` where the model cannot be copied."""
     try:
         return autocast(model, policy, float32_layers=float32_layers, copy=True)
     except ValueError as e:
         if "copy=True" not in str(e):
             raise
+        cause = e.__cause__ or e
         raise ValueError(
             f"kmix.export writes a placed copy of model {model.name!r} and leaves the model as it is, but the "
             "model cannot be copied as `model.save` and `keras.models.load_model` copy it: "
-            f"{str(e).split('survive that: ')[-1]} A subclassed model's `__init__` must take `**kwargs` "
+            f"{type(cause).__name__}: {str(cause).strip().splitlines()[0][:300]} A subclassed model's `__init__` must take `**kwargs` "
             "and pass them to `super().__init__`, and `get_config` must return its other arguments."
         ) from e
 
