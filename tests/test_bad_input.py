@@ -84,7 +84,7 @@ CASES = [
     ("Softmax mask is a bias", lambda m, o: kmix.layers.Softmax()(x16, mask=np.full((4,), -1e9)), ValueError, ["mask", "kmix.layers.MaskedSoftmax"]),
     ("MHA attention_mask is a bias", lambda m, o: kmix.layers.MultiHeadAttention(2, 2)(x16, x16, attention_mask=np.where(np.eye(4, dtype=bool), 0.0, -1e9)[None]), ValueError, ["attention_mask", "attention_bias="]),
     ("Softmax layer mask shape", lambda m, o: kmix.layers.Softmax()(x16, mask=np.ones((3, 4), bool)), ValueError, ["mask"]),
-    ("autocast subclassed", lambda m, o: kmix.autocast(Subclassed()), TypeError, ["Sequential or functional", "Instead"]),
+    ("autocast unbuilt", lambda m, o: kmix.autocast(Subclassed()), ValueError, ["not built", "model.build"]),
     ("autocast bad policy", lambda m, o: kmix.autocast(m, policy="O9"), ValueError, ["'O9'"]),
     ("WithPolicy non-layer", lambda m, o: kmix.layers.WithPolicy("dense", "float32"), TypeError, ["layer"]),
     ("memory_report batch 0", lambda m, o: kmix.memory_report(m, "O1", "adam", batch_size=0), ValueError, ["batch_size"]),
