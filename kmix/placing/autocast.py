@@ -205,8 +205,9 @@ def _check_model(model):
     # decoder in `train_step`) is placed through its built layers.
     if not model.built and not (layers and all(layer.built for layer in layers)):
         raise ValueError(
-            f"Model {model.name!r} is not built, so its layers have no variables to place. "
-            "Start it with `keras.Input(shape)`, call it on a batch, or call `model.build(input_shape)` first."
+            f"`model` must be built, so that its layers have variables to place. Received: model "
+            f"{model.name!r} ({type(model).__name__}), not built. Start it with `keras.Input(shape)`, "
+            "call it on a batch, or call `model.build(input_shape)` first."
         )
 
 
