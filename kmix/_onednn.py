@@ -35,7 +35,8 @@ class Comparison:
         on, off: `{(dtype, jit_compile): [seconds per round]}` per setting.
         best_on, best_off: each setting's fastest configuration (median).
         ratio: round by round, best_off's seconds over best_on's (median; above 1: on is faster).
-        noise: the spread of those ratios (at least `kmix._timing.NOISE_FLOOR`).
+        noise: how far the lower quartile of those ratios is below the median
+            (at least `kmix._timing.NOISE_FLOOR`; see `kmix._timing.paired`).
         shape: the probe's `(m, k, n)`.
         seconds: how long it took, the workers' start included.
         enabled: `{"on": bool, "off": bool}`: whether each worker's TensorFlow

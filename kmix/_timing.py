@@ -10,8 +10,11 @@ rules keep the answer steady:
   round moves it little), shown with its spread (interquartile range over
   the median);
 - two configurations are compared round by round: `paired(a, b)` is the
-  median of `a[r] / b[r]` with the spread of those ratios as the measured
-  noise, and one wins only by more than that noise.
+  median of `a[r] / b[r]`, and its noise how far the lower quartile of those
+  ratios falls below it; `b` wins only by more than that noise, that is
+  when `b` was faster in at least three rounds of four (by more than
+  `NOISE_FLOOR`). A round where `b` looks much faster does not count
+  against it.
 
     >>> rounds = run_rounds({"a": step_a, "b": step_b}, steps={"a": 4, "b": 4}, budget_s=2.0)
     >>> ratio, noise = paired(rounds["a"], rounds["b"])   # > 1: b is faster
@@ -49,13 +52,16 @@ def paired(a, b):
 
     Returns:
         `(ratio, noise)`: the median of `a[r] / b[r]` (above 1: `b` is
-        faster) and the spread of those ratios, at least `NOISE_FLOOR`.
-        `b` is faster beyond the noise when `ratio > 1 + noise`.
+        faster) and how far the lower quartile of those ratios is below
+        it, at least `NOISE_FLOOR`. `b` is faster beyond the noise when
+        `ratio > 1 + noise`: its lower quartile is above 1 (+ the floor).
     """
     ratios = [x / y for x, y in zip(a, b)]
     if not ratios:
         return 1.0, 1.0
-    return median(ratios), max(spread(ratios), NOISE_FLOOR)
+    middle = median(ratios)
+    lower = statistics.quantiles(ratios, n=4, method="inclusive")[0] if len(ratios) > 1 else middle
+    return middle, max(middle - lower, NOISE_FLOOR)
 
 
 def run_rounds(calls, steps, budget_s, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS, prune=PRUNE, report=None):

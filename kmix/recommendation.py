@@ -9,7 +9,7 @@ interleaved rounds, and the decision is a pure function of them
 ```
 f32  = the faster float32 compilation
 half = for each half dtype, its faster compilation; it wins when, round by round,
-       float32's step / its step >= min_gain and > 1 + noise   # noise: the spread of those ratios
+       float32's step / its step >= min_gain and > 1 + noise   # noise: median - lower quartile
        (float16 over bfloat16 only when faster still by float16_margin, beyond the noise)
 route = the winning half dtype, else float32
 compilation = the faster one; within NOISE_FLOOR (3%) of each other, Keras's default (XLA only with a GPU)
@@ -80,13 +80,13 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
     """Measures the fastest safe policy and `jit_compile`: on your model's training step, or on this device.
 
     With a model and data it builds each candidate route as the README
-    does (`kmix.autocast(model, policy, copy=True)`, compiled in
+    does (`kmix.autocast` of a copy of the model, compiled in
     `kmix.policy_scope(policy)` with `kmix.wrap` and `jit_compile`), times
     `train_on_batch` on one batch in interleaved rounds, and returns the
     fastest route, where a half route wins only beyond the measured noise.
     The candidates are float32 and each half dtype the device's probe ran
-    at least `kmix._trials.CANDIDATE` times as fast as float32 (float16 only where it
-    beat bfloat16), each as a `tf.function` and under XLA. `model` is not
+    at least 0.85x as fast as float32 (float16 only where it beat
+    bfloat16), each as a `tf.function` and under XLA. `model` is not
     changed: copies are timed.
 
     Args:

@@ -19,8 +19,14 @@ def test_spread_and_paired_against_hand_computed_values():
     assert _timing.spread(a) > 0.3
     c = [1.0, 1.5, 1.0, 1.5]
     ratio, noise = _timing.paired(c, [1.0] * 4)
-    q1, _, q3 = statistics.quantiles(c, n=4, method="inclusive")
-    assert ratio == pytest.approx(1.25) and noise == pytest.approx((q3 - q1) / 1.25)
+    q1 = statistics.quantiles(c, n=4, method="inclusive")[0]
+    assert ratio == pytest.approx(1.25) and noise == pytest.approx(1.25 - q1)  # the lower quartile, 1.0
+    # Noise is what could make `b` no faster: rounds where it looks much faster do not count.
+    up = [1.2, 1.2, 1.2, 1.3, 2.5]
+    assert _timing.paired(up, [1.0] * 5) == (pytest.approx(1.2), _timing.NOISE_FLOOR)
+    down = [1.2, 1.2, 1.2, 0.8, 0.9]
+    ratio, noise = _timing.paired(down, [1.0] * 5)
+    assert ratio == pytest.approx(1.2) and noise == pytest.approx(0.3) and ratio < 1 + noise
     # A configuration pruned early has fewer rounds: only the rounds both have count.
     assert _timing.paired([2.0, 2.0, 9.0], [1.0, 1.0])[0] == pytest.approx(2.0)
 
