@@ -89,13 +89,20 @@ def patched_calls(nodes, hook, start=None):
     Calls made while tracing a graph (symbolic tensors, `tf.function`) are
     not reported. Every layer's own `call` is restored on exit.
     """
+    with wrapped_calls([node.layer for node in nodes],
+                       lambda layer, i: _wrap(layer.call, nodes[i], hook, start)):
+        yield
+
+
+@contextlib.contextmanager
+def wrapped_calls(layers, make_call):
+    """Within the block, `layers[i].call` is `make_call(layers[i], i)`; each layer's own is put back on exit."""
     missing = object()
     saved = []
     try:
-        for node in nodes:
-            layer = node.layer
+        for i, layer in enumerate(layers):
             saved.append((layer, vars(layer).get("call", missing)))
-            layer.call = _wrap(layer.call, node, hook, start)
+            layer.call = make_call(layer, i)
         yield
     finally:
         for layer, own in reversed(saved):

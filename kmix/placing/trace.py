@@ -9,13 +9,13 @@ so is the layer that returned each of the model's outputs (a subclassed
 model's graph is known no other way).
 """
 
-import contextlib
 import functools
 
 import keras
 import tensorflow as tf
 
 from kmix import _compat
+from kmix.diagnose import probe
 from kmix.policy.placement import is_graph_model, walk
 
 
@@ -60,7 +60,7 @@ def trace(model, specs):
     """Builds the graph of `model(x, training=False)` for `specs`; returns a `Traced`."""
     layers = [layer for _, layer, _ in walk(model)]
     seen, producers, culprit = set(), {}, []
-    with _watched(layers, seen, producers, culprit):
+    with probe.wrapped_calls(layers, lambda layer, _: _watch(layer.call, layer, seen, producers, culprit)):
         returned = []  # the tensors the model returns, inside the graph (tf.function adds identities after)
         try:
             tf.function(lambda x: returned.append(model(x, training=False)), autograph=False).get_concrete_function(specs)
@@ -72,23 +72,6 @@ def trace(model, specs):
         if layer is not None:
             found.add(id(layer))
     return Traced(None, None, found)
-
-
-@contextlib.contextmanager
-def _watched(layers, seen, producers, culprit):
-    missing = object()
-    saved = []
-    try:
-        for layer in layers:
-            saved.append((layer, vars(layer).get("call", missing)))
-            layer.call = _watch(layer.call, layer, seen, producers, culprit)
-        yield
-    finally:
-        for layer, own in reversed(saved):
-            if own is missing:
-                del layer.call
-            else:
-                layer.call = own
 
 
 def _watch(original, layer, seen, producers, culprit):
