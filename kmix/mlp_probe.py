@@ -103,7 +103,7 @@ def probe(shape=None, budget=0.25):
     """Times the training step of `x + gelu(x @ w1 + b1) @ w2` per dtype, as a `tf.function` and under XLA; cached per shape.
 
     Every configuration is timed at the same size, in interleaved rounds
-    (`kmix._timing.run_rounds`: at least 5, each configuration once a
+    (`kmix._timing.run_rounds`: at least 7, each configuration once a
     round), and its figure is the median round. A first call of each at
     `m // 16` rows screens out the ones more than `SCREEN` times slower than
     the fastest there (float16 on most CPUs), so that they cost no seconds
@@ -156,7 +156,7 @@ def _probe(shape, budget, on_gpu):
         call()
         call()
     rounds = _timing.run_rounds(calls, {config: 1 for config in calls}, budget * len(calls),
-                                min_rounds=5, prune=None)
+                                min_rounds=7, prune=None)
     gflops = {config: 12 * small_rows * k * n / first[config] / 1e9 for config in screened}
     gflops.update({config: 12 * rows * k * n / _timing.median(seconds) / 1e9 for config, seconds in rounds.items()})
     from kmix.device import cpu_features, gpus

@@ -106,7 +106,7 @@ def test_a_real_probe_is_short_cached_and_at_one_size():
     # Every configuration compared was timed at the same size, in the same interleaved rounds.
     assert probe.rows in (128, 8) and set(probe.rounds) | set(probe.screened) == set(probe.gflops)
     assert not set(probe.rounds) & set(probe.screened)
-    assert len({len(r) for r in probe.rounds.values()}) == 1 and len(next(iter(probe.rounds.values()))) >= 5
+    assert len({len(r) for r in probe.rounds.values()}) == 1 and len(next(iter(probe.rounds.values()))) >= 7
     for config, seconds in probe.rounds.items():
         assert probe.gflops[config] == pytest.approx(12 * probe.rows * 64 * 256 / np.median(seconds) / 1e9)
     assert device.probe((128, 64, 256), budget=0.05) is probe  # cached per process
