@@ -88,8 +88,7 @@ def all_reduce(grads, variables, allreduce_dtype, multiplier=None, poison=None):
     values = [_map_values(grads[i], lambda x: _times(x, multiplier)) for i in indices]
     wire = [None] * len(values)
     if dtype == tf.float16:
-        peaks = tf.stack([tf.maximum(tf.reduce_max(tf.abs(_dense(v))), 0.0) for v in values])  # 0 if empty
-        peaks = ctx.all_reduce(tf.distribute.ReduceOp.SUM, peaks)
+        peaks = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.stack([_peak(_dense(v)) for v in values]))
         wire = tf.unstack(wire_scales(peaks))
     sent = []
     for k, (i, v) in enumerate(zip(indices, values)):
@@ -149,6 +148,11 @@ def _to_half(x, dtype, wire, bad):
 def _from_half(x, wire):
     x = tf.cast(x, tf.float32)
     return x if wire is None else x / wire
+
+
+def _peak(x):
+    """max |x|, 0 for an empty tensor; two reductions that write nothing (`abs` would write a copy of x)."""
+    return tf.maximum(tf.maximum(tf.reduce_max(x), -tf.reduce_min(x)), 0.0)
 
 
 def _dense(g):
