@@ -5,12 +5,8 @@ import functools
 import keras
 import tensorflow as tf
 
-from kmix._compat import (
-    model_building,
-    no_automatic_dependency_tracking,
-    optimizer_variable_key,
-    take_gradients_as_reduced,
-)
+from kmix._compat import model_building, no_automatic_dependency_tracking, optimizer_variable_key
+from kmix._compat import take_gradients_as_reduced
 from kmix.optimizers import accumulation, allreduce, arguments, counters, follow_model, fused_adam
 from kmix.optimizers import master_weights as mw
 from kmix.optimizers import nontrainable, replicas, scale_rule, scaled_check
