@@ -101,10 +101,10 @@ def candidates(probe):
                    default=0.0)
         if rate < CANDIDATE * f32:
             skipped.append((half, f"the probe ran it at {rate / f32:.2f}x float32's best "
-                                  f"({rate:.0f} against {f32:.0f} GFLOP/s), under {CANDIDATE}x"))
+                                  f"({rate:.3g} against {f32:.3g} GFLOP/s), under {CANDIDATE}x"))
         elif half == "float16" and "bfloat16" in chosen and rate <= probe.best("bfloat16")[0]:
-            skipped.append((half, f"no faster than bfloat16 on the probe ({rate:.0f} against "
-                                  f"{probe.best('bfloat16')[0]:.0f} GFLOP/s), which needs no loss scaling"))
+            skipped.append((half, f"no faster than bfloat16 on the probe ({rate:.3g} against "
+                                  f"{probe.best('bfloat16')[0]:.3g} GFLOP/s), which needs no loss scaling"))
         else:
             chosen.append(half)
     return chosen, skipped
