@@ -87,7 +87,8 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
     The candidates are float32 and each half dtype the device's probe ran
     at least 0.85x as fast as float32 (float16 only where it beat
     bfloat16), each as a `tf.function` and under XLA. `model` is not
-    changed: copies are timed.
+    changed: copies are timed, one per route (each with its optimizer
+    state) held in memory while the rounds run.
 
     Args:
         model: a built Keras model; compiled with its loss (and optimizer),

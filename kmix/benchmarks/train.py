@@ -31,7 +31,7 @@ where N counts the parameters that take part in matmuls (all but the two
 embedding tables) and the second term is the attention products, forward
 and backward, counted in full.
 
-The step time is that of the fastest of `--rounds` timed rounds. With a GPU
+The step time is the median of `--rounds` timed rounds. With a GPU
 each route runs alone and its peak memory is
 `tf.config.experimental.get_memory_info` of the first GPU; without one the
 routes are built first and their rounds alternate (`--interleave`), so that
@@ -48,6 +48,7 @@ import keras
 import tensorflow as tf
 
 import kmix
+from kmix import _timing
 from kmix.benchmarks.common import format_table, progress, time_call
 from kmix.benchmarks.gpt import build_model, compile_model, make_dataset, model_flops_per_token
 from kmix.benchmarks.routes import MODELS, Route, recommend_on_model, rewrite_option as rewrite_key
@@ -112,9 +113,9 @@ class _Run:
         self.route.train(1)
         self.seconds.append(time_call(lambda: self.route.train(steps), repeats=1, warmup=0)[0] / steps)
 
-    def result(self, peak_bytes):
-        """The figures, from the fastest round (the least disturbed on a shared machine)."""
-        step = min(self.seconds)
+    def result(self, peak_bytes, phase=None):
+        """The figures: the median round, and the rounds (`phase`: which interleaved rounds they were in)."""
+        step = _timing.median(self.seconds)
         items = self.route.items
         tflops = None
         if self.model_name == "gpt":
@@ -130,6 +131,8 @@ class _Run:
             "tflops": tflops,
             "peak_bytes": peak_bytes,
             "loss": self.route.loss,
+            "rounds": tuple(self.seconds),
+            "phase": phase,
         }
 
 
@@ -150,14 +153,15 @@ def measure_all(configs, size, steps, rounds, interleave, model_name="gpt"):
         configs: `(policy, stack, jit_compile)` triples.
         size: see `kmix.benchmarks.routes.build`.
         steps: steps per timed round.
-        rounds: timed rounds; the step time is that of the fastest round.
+        rounds: timed rounds; the step time is the median round.
         interleave: build every route first, then time round 1 of each,
             round 2 of each, ...: drift on a shared machine then hits all of
             them alike. Otherwise each runs alone, after the previous one is
             freed, so that its peak device memory is its own. Either way
             the `tf-rewrite` route runs after the others (alone), since
             switching TensorFlow's rewrite on and off slows the functions of
-            routes that run after it.
+            routes that run after it. Interleaved rounds rotate the order
+            of the routes from one round to the next.
         model_name: `"gpt"` or `"resnet50"`.
 
     Returns:
@@ -165,7 +169,10 @@ def measure_all(configs, size, steps, rounds, interleave, model_name="gpt"):
         `"auto"` becomes a bool), `step_seconds`, `tokens_per_second` (items:
         tokens for the GPT, images for ResNet), `tflops` (None for ResNet),
         `peak_bytes` (None where the device does not report it, and when
-        interleaved), `loss` (the last training loss, to show it trained).
+        interleaved), `loss` (the last training loss, to show it trained),
+        `rounds` (seconds per step of each round) and `phase` (routes of
+        the same phase ran in the same interleaved rounds, so their ratios
+        are taken round by round; None when each ran alone).
     """
     label = lambda c: f"{c[0]}, {c[1]}, {'XLA' if c[2] is True else 'tf.function' if c[2] is False else 'default compile'}"  # noqa: E731
     # TensorFlow's rewrite runs last: once its option has been set and unset, the functions of
@@ -186,12 +193,13 @@ def measure_all(configs, size, steps, rounds, interleave, model_name="gpt"):
             done += 1
             progress(f"[{done}/{len(configs)}] building and compiling {label(configs[i])}")
             runs[i] = _Run(configs[i], model_name, size)
+        live = list(runs.values())
         for r in range(rounds if runs else 0):
             progress(f"timing round {r + 1}/{rounds}" + (" (the rewrite, alone)" if phase is phases[1] else ""))
-            for run in runs.values():
+            for run in live[r % len(live):] + live[:r % len(live)]:
                 run.time_round(steps)
         for i, run in runs.items():
-            results[i] = run.result(None)
+            results[i] = run.result(None, phases.index(phase))
     return results
 
 
@@ -257,7 +265,7 @@ def format_rows(results):
     base = next((r for r in results if r["policy"] == "float32" and r["stack"] == "keras"), None)
     rows = []
     for r in results:
-        speed = base["step_seconds"] / r["step_seconds"] if base else "n/a"
+        speed = speedup(base, r) if base else "n/a"
         if base and r["peak_bytes"] is not None and base["peak_bytes"]:
             mem_ratio = r["peak_bytes"] / base["peak_bytes"]
         else:
@@ -276,6 +284,14 @@ def format_rows(results):
     return rows
 
 
+def speedup(base, row):
+    """`base`'s step time over `row`'s: round by round (the median ratio) where they ran in the same
+    interleaved rounds, else the ratio of their median rounds."""
+    if base.get("phase") is not None and base.get("phase") == row.get("phase"):
+        return _timing.paired(base["rounds"], row["rounds"])[0]
+    return base["step_seconds"] / row["step_seconds"]
+
+
 def summary_line(results):
     """The `recommend(model)` row against Keras's default float32 compile and the fastest row."""
     row = next((r for r in results if r["stack"] == "recommend(model)"), None)
@@ -284,10 +300,9 @@ def summary_line(results):
         return ""
     fastest = min(results, key=lambda r: r["step_seconds"])
     label = lambda r: f"{r['policy']}, {r['stack']}, {'XLA' if r['jit_compile'] else 'tf.function'}"  # noqa: E731
-    against_base = (f"{base['step_seconds'] / row['step_seconds']:.2f}x Keras's default float32 compile, "
-                    if base else "")
+    against_base = f"{speedup(base, row):.2f}x Keras's default float32 compile, " if base else ""
     return (f"kmix.recommend(model) chose {row['policy']}, {'XLA' if row['jit_compile'] else 'tf.function'}: "
-            f"{against_base}{fastest['step_seconds'] / row['step_seconds']:.2f}x the fastest row "
+            f"{against_base}{speedup(fastest, row):.2f}x the fastest row "
             f"({label(fastest)}) in this table.")
 
 
@@ -353,7 +368,7 @@ def main(argv=None):
     parser.add_argument("--image", type=int, default=64, help="ResNet50: image side in pixels (>= 32); default 64")
     parser.add_argument("--batch", type=int, default=8, help="batch size; default 8")
     parser.add_argument("--steps", type=int, default=5, help="steps per timed round; default 5")
-    parser.add_argument("--rounds", type=int, default=4, help="timed rounds, the fastest is shown; default 4")
+    parser.add_argument("--rounds", type=int, default=6, help="timed rounds, the median is shown; default 6")
     parser.add_argument("--policies", default=",".join(POLICIES),
                         help="comma-separated policies of the keras and kmix rows; default " + ",".join(POLICIES))
     parser.add_argument("--jit", choices=["auto", "both", "on", "off"], default="auto",
@@ -435,13 +450,14 @@ def main(argv=None):
                 f"seq {args.seq}, batch {args.batch}, vocab {args.vocab}")
     else:
         what = f"ResNet50 training step: {args.image}x{args.image} images, batch {args.batch}, 10 classes"
-    print(f"{what}; on {where}; TF32 {'on' if tf32 else 'off'}; fastest of {args.rounds} "
+    print(f"{what}; on {where}; TF32 {'on' if tf32 else 'off'}; median of {args.rounds} "
           f"{'interleaved ' if interleave else ''}rounds of {args.steps} steps")
     rows = format_rows(results)
     print(format_table(HEADERS, rows))
     print("items/s: tokens (GPT) or images (ResNet). TFLOP/s: model FLOPs, 6 * params (without embeddings) "
           "+ 12 * layers * d_model * seq per token. speed x f32: the float32 Keras row's step time "
-          "(Keras's default compile) / this one's.")
+          "(Keras's default compile) / this one's" + (", round by round (the median ratio; the rewrite's "
+          "rounds ran alone: the ratio of medians)." if interleave else "."))
     if recommendation is not None:
         print(recommendation)
     if model_recommendation is not None:

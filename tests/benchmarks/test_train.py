@@ -4,6 +4,7 @@ import math
 import os
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -137,6 +138,18 @@ def test_quick_run_prints_every_route(tmp_path, capsys):
     assert not tf.config.optimizer.get_experimental_options().get(routes.rewrite_option(), False)
 
 
+def test_speedup_is_round_by_round_within_a_phase():
+    def result(rounds, phase):
+        return {"step_seconds": float(np.median(rounds)), "rounds": rounds, "phase": phase}
+
+    # The machine slowed down in the last rounds for both: the ratio holds at 2.
+    base, row = result([2.0, 2.0, 6.0, 6.0, 6.0], 0), result([1.0, 1.0, 3.0, 3.0, 3.0], 0)
+    assert train.speedup(base, row) == pytest.approx(2.0)
+    # Rows timed apart (the rewrite's phase, or each alone): the ratio of the medians.
+    assert train.speedup(base, result([1.0, 1.0, 3.0, 3.0, 3.0], 1)) == pytest.approx(6.0 / 3.0)
+    assert train.speedup(result([2.0] * 3, None), result([1.0, 4.0, 4.0], None)) == pytest.approx(0.5)
+
+
 def test_summary_line_against_keras_and_the_fastest_row():
     def result(policy, stack, jit, seconds):
         return {"policy": policy, "stack": stack, "jit_compile": jit, "step_seconds": seconds}
@@ -157,12 +170,14 @@ def test_measure_alone_and_interleaved_give_the_same_figures_shape():
     assert [r["policy"] for r in together] == ["float32", "mixed_bfloat16"]
     for r in [alone, *together]:
         assert set(r) == {"policy", "stack", "jit_compile", "step_seconds", "tokens_per_second",
-                          "tflops", "peak_bytes", "loss"}
+                          "tflops", "peak_bytes", "loss", "rounds", "phase"}
+        assert r["step_seconds"] == pytest.approx(float(np.median(r["rounds"]))) and len(r["rounds"]) == 2
         assert r["step_seconds"] > 0 and math.isfinite(r["loss"])
         assert r["tokens_per_second"] == pytest.approx(16 / r["step_seconds"])
     # Same seed, same batch, same number of steps: float32 trains to the same loss either way.
     assert together[0]["loss"] == pytest.approx(alone["loss"], rel=1e-5)
     assert together[0]["peak_bytes"] is None  # interleaved runs share the device
+    assert alone["phase"] is None and together[0]["phase"] == together[1]["phase"] == 0
     if not tf.config.list_physical_devices("GPU"):
         assert alone["peak_bytes"] is None
     else:
