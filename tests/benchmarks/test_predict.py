@@ -22,6 +22,24 @@ def test_quick_run_prints_every_route(capsys):
     bf16 = next(r for r in out["results"] if r["policy"] == "mixed_bfloat16")
     assert 0.0 < bf16["max_abs_diff"] < 0.1
     assert "top-1 = f32" in text and str(rec) in text
+    # The served rows: Keras's float32 SavedModel computes the float32 model; kmix.export's artifact
+    # rounds as bfloat16 does, in fewer bytes (at --quick sizes the graph, the same in both, weighs
+    # as much as the weights; tests/test_export.py checks 0.55x where the weights dominate).
+    by_stack = {r["stack"]: r for r in out["results"]}
+    keras_export, half = by_stack["keras-export"], by_stack["kmix.export"]
+    assert keras_export["max_abs_diff"] < 1e-5 and 0.0 < half["max_abs_diff"] < 0.1
+    assert half["bytes"] < 0.7 * keras_export["bytes"]
+    assert half["load_seconds"] > 0 and by_stack["keras"]["bytes"] is None
+    assert "gpt: fastest route here:" in text and "kmix.export's artifact at" in text
+
+
+def test_fastest_lines_name_the_fastest_route_and_the_artifact_against_keras():
+    rows = [dict(model="gpt", policy=p, stack=s, jit_compile=j, batch_seconds=t)
+            for p, s, j, t in [("float32", "keras", False, 4.0), ("float32", "keras", True, 2.0),
+                               ("float32", "keras-export", False, 1.0), ("bfloat16", "kmix.export", False, 2.5)]]
+    lines = predict.fastest_lines(rows)
+    assert lines == ["gpt: fastest route here: float32, keras-export, SavedModel",
+                     "gpt: kmix.export's artifact at 0.80x the speed of the fastest Keras route (float32, keras, XLA)"]
 
 
 def test_the_resnet_route_is_keras_resnet50():
