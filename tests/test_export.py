@@ -220,6 +220,33 @@ def test_float16_overflow_is_refused_naming_the_layer_then_kept_in_float32(tmp_p
     assert "big" in report.float32_layers
 
 
+def test_two_inputs_two_outputs_and_an_lstm(tmp_path):
+    keras.utils.set_random_seed(0)
+    a, b = keras.Input((8,), name="a"), keras.Input((4,), name="b")
+    h = keras.layers.Dropout(0.5)(keras.layers.Concatenate()([keras.layers.Dense(16)(a), b]))
+    model = keras.Model([a, b], [keras.layers.Dense(3, name="o1")(h), keras.layers.Dense(1, name="o2")(h)])
+    x = [inputs((16, 8)), inputs((16, 4), seed=2)]
+    report = export(model, str(tmp_path / "two"), verbose=False)  # a sample drawn from both specs
+    assert report.stored_in_half == ["o1", "o2"] and report.top1_agreement is None
+    got = served(str(tmp_path / "two"))(x)
+    for g, e in zip(got, model.predict(x, verbose=0)):
+        assert g.dtype == tf.float32
+        np.testing.assert_allclose(g.numpy(), e, atol=BF16_RTOL * np.abs(e).max())
+
+    # Keras cannot rebuild a bfloat16 LSTM from its config (its orthogonal initializer's QR has no
+    # bfloat16 kernel): no .keras file, nothing written; the SavedModel serves it.
+    seq = keras.Input((10, 6))
+    lstm = keras.Model(seq, keras.layers.Dense(2)(keras.layers.LSTM(16)(seq)))
+    x = inputs((8, 10, 6))
+    with pytest.raises(ValueError, match="Nothing was written"):
+        export(lstm, [str(tmp_path / "lstm"), str(tmp_path / "lstm.keras")], sample=x, verbose=False)
+    assert not os.path.exists(tmp_path / "lstm") and not os.path.exists(tmp_path / "lstm.keras")
+    export(lstm, str(tmp_path / "lstm"), sample=x, verbose=False)
+    expected = lstm.predict(x, verbose=0)
+    np.testing.assert_allclose(served(str(tmp_path / "lstm"))(x).numpy(), expected,
+                               atol=BF16_RTOL * np.abs(expected).max())
+
+
 def test_sample_from_a_dataset_of_x_y_batches(tmp_path):
     model = mlp()
     x = inputs((16, 32))

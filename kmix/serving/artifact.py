@@ -20,7 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kmix.placing.reload import differences, user_classes
+from kmix.placing.reload import differences, reloaded, user_classes
 from kmix.placing.trace import input_specs
 
 
@@ -47,6 +47,23 @@ def write(model, path, sample):
     # model as well stores every variable a second time (keras-team/keras#23553).
     archive.add_endpoint("serve", serve, input_signature=[signature])
     archive.write_out(path, verbose=False)
+
+
+def check_rebuilds(model, path):
+    """Raises before anything is written where `keras.models.load_model` could not rebuild `model`.
+
+    The config alone is rebuilt, as `load_model` rebuilds it (a Keras LSTM
+    under bfloat16 fails there: its orthogonal initializer's QR has no
+    bfloat16 kernel).
+    """
+    _, error = reloaded(model)
+    if error is not None:
+        first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+        raise ValueError(
+            f"kmix.export cannot write {path}: `keras.models.load_model` could not rebuild the half-precision "
+            f"model from its config ({type(error).__name__}: {first}). Nothing was written. Export to a "
+            "SavedModel directory instead (a path not ending in .keras), which serves the model as it is."
+        )
 
 
 def load(path, model):

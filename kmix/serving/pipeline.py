@@ -150,6 +150,9 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
         say("kmix.export: non-finite outputs in half precision; diagnosing")
         raise check.refuse(before, _placed_copy(model, Policy("O0"), None), x, half, float32_layers)
 
+    for path in paths:
+        if artifact.kind(path) == "keras":
+            artifact.check_rebuilds(served, path)
     disk, seconds, worst = {}, {}, None
     for path in paths:
         say(f"kmix.export: writing {path}")
