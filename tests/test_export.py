@@ -256,6 +256,7 @@ def test_sample_from_a_dataset_of_x_y_batches(tmp_path):
 
 
 def test_bad_input_names_the_argument(tmp_path):
+    assert kmix.export is export
     model = mlp()
     path = str(tmp_path / "half")
     with pytest.raises(ValueError, match=r"`dtype` must be .*Received: dtype='float32'"):

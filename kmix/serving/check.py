@@ -97,13 +97,13 @@ def sample_inputs(model, sample):
     return sample, f"given: {shapes}"
 
 
-def outputs(model, x, argument="sample"):
-    """`model(x, training=False)`; a clear error naming `argument` where `x` does not fit."""
+def outputs(model, x):
+    """`model(x, training=False)`; a clear error naming `sample` where `x` does not fit."""
     try:
         return model(x, training=False)
     except (ValueError, TypeError, KeyError, tf.errors.InvalidArgumentError) as e:
         raise ValueError(
-            f"`{argument}` does not fit model {model.name!r}'s inputs: calling the model on it failed with "
+            f"`sample` does not fit model {model.name!r}'s inputs: calling the model on it failed with "
             f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
         ) from e
 

@@ -13,8 +13,6 @@ One pipeline, read top to bottom in `export`:
    the figures reported are the artifact's.
 """
 
-import time
-
 import keras
 
 from kmix._output import progress
@@ -139,13 +137,12 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
 
     say("kmix.export: checking it against float32 on the sample")
     expected = check.outputs(reference, x)
-    if not check.Comparison(expected, expected).float32_finite:
+    before = check.Comparison(expected, check.outputs(served, x))
+    if not before.float32_finite:
         raise ValueError(
             f"`sample` gives non-finite outputs in float32 already (model {model.name!r}): there is nothing to "
             "check the half model against. Pass inputs the model was trained on."
         )
-    half_outputs = check.outputs(served, x)
-    before = check.Comparison(expected, half_outputs)
     if not before.finite:
         say("kmix.export: non-finite outputs in half precision; diagnosing")
         raise check.refuse(before, _placed_copy(model, Policy("O0"), None), x, half, float32_layers)
