@@ -17,6 +17,7 @@ import sys
 from kmix import _onednn
 from kmix._output import progress
 from kmix.device import gather_facts, tensor_cores
+from kmix.policy import Policy
 from kmix.recommendation import recommend
 
 
@@ -144,7 +145,25 @@ def format_report(facts, recommendation, onednn=None):
     lines.append(f"  model = kmix.autocast(model, {recommendation.policy!r})")
     lines.append(f"  with kmix.policy_scope({recommendation.policy!r}):")
     lines.append(f"      model.compile(optimizer={wrap}, loss=..., jit_compile={recommendation.jit_compile})")
+    lines += serving_lines(recommendation)
     return "\n".join(lines)
+
+
+def serving_lines(recommendation):
+    """The inference route that goes with the training route: `kmix.export` in its half dtype, or float32.
+
+    The artifact computes what the recommended route computes (half matmuls,
+    float32 norms, softmax and outputs), with its weights stored in half;
+    `bench predict` times it beside Keras's routes on this machine.
+    """
+    half = Policy(recommendation.policy).compute_dtype
+    lines = ["Serving (the recommended route's computation; `python -m kmix bench predict` times it here)"]
+    if half == "float32":
+        lines.append("  model.export(path)  # float32: no half dtype measured faster here; "
+                     "kmix.export(model, path, dtype='bfloat16') halves the bytes")
+    else:
+        lines.append(f"  kmix.export(model, path, dtype={half!r})  # weights in {half}, float32 in and out")
+    return lines
 
 
 def _onednn_setting():

@@ -139,3 +139,10 @@ def test_onednn_comparison_runs_two_workers_interleaved():
     assert result.best_on in _onednn.CONFIGS and result.ratio > 0 and result.noise >= _timing.NOISE_FLOOR
     lines = doctor.onednn_lines(result)
     assert lines[0].startswith("TF_ENABLE_ONEDNN_OPTS=1 against =0") and "64x32x64" in lines[0]
+
+
+def test_doctor_names_the_serving_route_of_the_recommended_policy():
+    half = doctor.format_report(_facts([]), _recommendation("O1-bfloat16", False))
+    assert "kmix.export(model, path, dtype='bfloat16')" in half
+    full = doctor.format_report(_facts([]), _recommendation("float32", False))
+    assert "model.export(path)  # float32" in full and "# weights in" not in full

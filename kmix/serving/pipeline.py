@@ -13,6 +13,8 @@ One pipeline, read top to bottom in `export`:
    the figures reported are the artifact's.
 """
 
+import warnings
+
 import keras
 
 from kmix._output import progress
@@ -184,7 +186,11 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
 def _placed_copy(model, policy, float32_layers):
     """`kmix.autocast(model, policy, copy=True)`, its error worded for `export` where the model cannot be copied."""
     try:
-        return autocast(model, policy, float32_layers=float32_layers, copy=True)
+        with warnings.catch_warnings():
+            # Its advice to autocast a reloaded model again is for training; export reads its
+            # artifact back and compares it with float32 itself.
+            warnings.filterwarnings("ignore", message="kmix.autocast placed every layer")
+            return autocast(model, policy, float32_layers=float32_layers, copy=True)
     except ValueError as e:
         if "copy=True" not in str(e):
             raise
