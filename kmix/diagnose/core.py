@@ -84,7 +84,7 @@ def diagnose(model, x, y=None, policy="mixed_float16", batches=4, batch_size=32,
     half = policy.compute_dtype
     limits = probe.HALF_RANGES[half]
     if not model.built:
-        _forward(model, found[0][0], training=False)
+        data.forward(model, found[0][0], training=False)
     nodes = probe.layer_tree(model)
     _keep(nodes, data.check_float32_layers(float32_layers, nodes))
     data.check_float32(nodes)
@@ -110,16 +110,6 @@ def _keep(nodes, names):
     for node in nodes:  # parents come before their children
         if node.path in names or node.layer.name in names or (node.parent is not None and node.parent.kept):
             node.kept = True
-
-
-def _forward(model, x, training):
-    try:
-        return model(x, training=training)
-    except (ValueError, TypeError, KeyError, tf.errors.InvalidArgumentError) as e:
-        raise ValueError(
-            f"`x` does not fit model {model.name!r}'s inputs: calling the model on a batch of `x` "
-            f"failed with {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
-        ) from e
 
 
 def _restore(snapshot):
@@ -150,7 +140,7 @@ class _Float32Run:
 
         with tf.GradientTape() as tape:
             with probe.patched_calls(self.nodes, hook, start):
-                y_pred = _forward(model, x, training=True)
+                y_pred = data.forward(model, x, training=True)
             try:
                 loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
             except (ValueError, TypeError, KeyError, tf.errors.InvalidArgumentError) as e:

@@ -127,3 +127,14 @@ def _length(name, data):
     if n == 0:
         raise ValueError(f"`{name}` holds no samples.")
     return n
+
+
+def forward(model, x, argument="x", training=False):
+    """`model(x, training=training)`; a `ValueError` naming `argument` where `x` does not fit the model."""
+    try:
+        return model(x, training=training)
+    except (ValueError, TypeError, KeyError, tf.errors.InvalidArgumentError) as e:
+        raise ValueError(
+            f"`{argument}` does not fit model {model.name!r}'s inputs: calling the model on a batch of "
+            f"`{argument}` failed with {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+        ) from e

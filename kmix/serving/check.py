@@ -13,6 +13,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from kmix.diagnose import data
 from kmix.placing.trace import input_specs
 from kmix.policy.placement import walk
 
@@ -99,13 +100,7 @@ def sample_inputs(model, sample):
 
 def outputs(model, x):
     """`model(x, training=False)`; a clear error naming `sample` where `x` does not fit."""
-    try:
-        return model(x, training=False)
-    except (ValueError, TypeError, KeyError, tf.errors.InvalidArgumentError) as e:
-        raise ValueError(
-            f"`sample` does not fit model {model.name!r}'s inputs: calling the model on it failed with "
-            f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
-        ) from e
+    return data.forward(model, x, argument="sample")
 
 
 def refuse(comparison, reference, x, half, float32_layers):
