@@ -20,7 +20,6 @@ and the scale; `kmix.autocast` places them before anything runs in half.
 """
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from kmix.diagnose.core import diagnose

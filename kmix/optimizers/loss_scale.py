@@ -9,7 +9,7 @@ from kmix._compat import model_building, no_automatic_dependency_tracking, optim
 from kmix._compat import take_gradients_as_reduced
 from kmix.optimizers import accumulation, allreduce, arguments, counters, follow_model, fused_adam
 from kmix.optimizers import master_weights as mw
-from kmix.optimizers import nontrainable, replicas, scale_rule, scaled_check
+from kmix.optimizers import nontrainable, replicas, scaled_check
 from kmix.optimizers.scaled_check import unscale
 
 

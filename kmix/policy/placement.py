@@ -14,7 +14,6 @@ import keras
 
 from kmix import _compat
 from kmix.policy import norms
-from kmix.policy.policy import Policy
 
 # Float32 islands: statistics over many elements, where half loses precision.
 _NORMALIZATION = tuple(

@@ -127,7 +127,7 @@ def refuse(comparison, reference, x, half, float32_layers):
         found, why = [], f"kmix.diagnose could not run ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
     keep = sorted(set(float32_layers or ()) | set(found))
     advice = (f"Keep them in float32: kmix.export(model, path, dtype={half!r}, float32_layers={keep!r})"
-              if found else f"Pass the layers to keep in float32 as `float32_layers`, or use dtype='bfloat16' "
+              if found else "Pass the layers to keep in float32 as `float32_layers`, or use dtype='bfloat16' "
               "(float32's range)")
     return NotFiniteError(
         f"kmix.export refused to write: the {half} model's outputs are not finite on the sample where the "
