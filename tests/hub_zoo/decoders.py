@@ -1,0 +1,3 @@
+"""keras-hub backbones built tiny: decoders (see `tests.hub_zoo`)."""
+
+BUILDERS = {}

@@ -1,0 +1,3 @@
+"""keras-hub backbones built tiny: vision (see `tests.hub_zoo`)."""
+
+BUILDERS = {}
