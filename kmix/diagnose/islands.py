@@ -23,7 +23,7 @@ import keras
 import tensorflow as tf
 
 from kmix.diagnose.core import diagnose
-from kmix.policy.placement import is_auto_named, walk
+from kmix._tree import is_auto_named, walk
 
 ROUNDS = 4  # diagnoses at most, each keeping in float32 what the ones before found
 _ACCEPTED = (

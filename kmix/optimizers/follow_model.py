@@ -26,7 +26,7 @@ import logging
 import warnings
 
 from kmix.policy import advice
-from kmix.policy.placement import own_weights, walk
+from kmix._tree import own_weights, walk
 
 _log = logging.getLogger("kmix")
 DEFAULT_SCALE = 2.0**15

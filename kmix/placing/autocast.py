@@ -23,7 +23,8 @@ import numpy as np
 from kmix.diagnose import islands
 from kmix.placing import place, reload, trace
 from kmix.policy import advice
-from kmix.policy.placement import Rules, is_graph_model, own_weights, resolved_policy, saved_layers, walk
+from kmix._tree import is_graph_model, own_weights, resolved_policy, walk
+from kmix.placing.rules import Rules, saved_layers
 from kmix.policy.policy import Policy
 
 Placement = collections.namedtuple("Placement", "layer cls before after reason")

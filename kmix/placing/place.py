@@ -14,7 +14,8 @@ import keras
 import tensorflow as tf
 
 from kmix import _compat
-from kmix.policy.placement import own_weights, resolved_policy, safe_replacements
+from kmix._tree import own_weights, resolved_policy
+from kmix.placing.rules import safe_replacements
 
 
 def place(plan):

@@ -21,7 +21,8 @@ import tempfile
 
 import keras
 
-from kmix.policy.placement import is_auto_named, own_weights, resolved_policy, saved_layers, snake_case, walk
+from kmix._tree import is_auto_named, own_weights, resolved_policy, snake_case, walk
+from kmix.placing.rules import saved_layers
 
 
 def reloaded(model):

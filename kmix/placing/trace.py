@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from kmix import _compat
 from kmix.diagnose import probe
-from kmix.policy.placement import is_graph_model, walk
+from kmix._tree import is_graph_model, walk
 
 
 class Traced:

@@ -44,7 +44,7 @@ def record_model(model, initial_scale=None, policy_name=None):
     The owner is the innermost layer holding the variable (a `Dense` inside a
     block, not the block). `initial_scale` and `policy_name` as in `record`.
     """
-    from kmix.policy.placement import walk  # placement imports nothing of the optimizers'
+    from kmix._tree import walk  # placement imports nothing of the optimizers'
 
     owners = {id(v): (v, model.compute_dtype) for v in model.trainable_variables}
     for _, layer, _ in walk(model):  # parents before children: the innermost owner is last

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from kmix.diagnose import data
 from kmix.placing.trace import input_specs
-from kmix.policy.placement import walk
+from kmix._tree import walk
 
 DRAWN_BATCH = 8  # items in a drawn sample
 DRAWN_LENGTH = 16  # a drawn sample's length along the other axes the specs leave open

@@ -19,7 +19,7 @@ import keras
 
 from kmix._output import progress
 from kmix.placing import autocast
-from kmix.policy.placement import walk
+from kmix._tree import walk
 from kmix.policy.policy import Policy
 from kmix.serving import artifact, check, storage
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from kmix import _compat
 from kmix.placing import reload
-from kmix.policy.placement import own_weights, walk
+from kmix._tree import own_weights, walk
 
 _HALF_MAX = {"float16": 65504.0, "bfloat16": float(np.finfo(np.float32).max)}
 

@@ -91,7 +91,7 @@ def test_sample_as_a_dataset_and_under_float32():
 
 
 def resolved(model, name):
-    return kmix.policy.placement.resolved_policy(model.get_layer(name)).name
+    return kmix._tree.resolved_policy(model.get_layer(name)).name
 
 
 @pytest.mark.parametrize("sample, error, words", [

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import kmix
-from kmix.policy import norms
+from kmix.placing import norms
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -66,7 +66,7 @@ def _build(cls_name):
     embedding = model.get_layer("token_embedding")
     table = embedding.embeddings.numpy()
     embedding.embeddings.assign(table * (RMS / np.sqrt(np.mean(table**2))))
-    for _, layer, _ in kmix.policy.placement.walk(model):
+    for _, layer, _ in kmix._tree.walk(model):
         if layer.name in RESIDUAL_WRITERS:
             layer.kernel.assign(layer.kernel * GAIN)
     return model, make_x(np.random.default_rng(0)), norm_cls, float32_layers
@@ -78,8 +78,8 @@ def _numpy(outputs):
 
 
 def _block_norms(model, norm_cls):
-    return [layer for _, layer, parent in kmix.policy.placement.walk(model)
-            if isinstance(layer, norm_cls) and not kmix.policy.placement.is_graph_model(parent)]
+    return [layer for _, layer, parent in kmix._tree.walk(model)
+            if isinstance(layer, norm_cls) and not kmix._tree.is_graph_model(parent)]
 
 
 def _assert_close(got, expected):

@@ -5,15 +5,14 @@ embeddings and attention projections run in the half compute dtype;
 normalization layers, softmax / log-softmax and the layers producing the
 model's outputs stay in float32. They are applied to every layer of a model,
 layers nested in other layers and models included. `Rules.plan` is pure: it
-reads the model and changes nothing (`kmix.placing` places the plan).
+reads the model and changes nothing (`place` places the plan).
 """
-
-import re
 
 import keras
 
 from kmix import _compat
-from kmix.policy import norms
+from kmix._tree import is_graph_model, resolved_policy, walk
+from kmix.placing import norms
 
 # Float32 islands: statistics over many elements, where half loses precision.
 _NORMALIZATION = tuple(
@@ -63,28 +62,6 @@ def safe_replacements():
     return {keras.layers.Softmax: Softmax, keras.layers.MultiHeadAttention: MultiHeadAttention}
 
 
-def walk(root):
-    """`(path, layer, parent)` for every layer inside `root`, depth first, each layer once.
-
-    `path` joins the names from `root` down (`"encoder/attention/query"`).
-    Layers that a custom layer or a keras-hub block creates in `build` are
-    found too. Input layers are left out.
-    """
-    seen = {id(root)}
-
-    def visit(layer, prefix):
-        for child in _children(layer):
-            if id(child) in seen:
-                continue
-            seen.add(id(child))
-            path = f"{prefix}{child.name}"
-            if not isinstance(child, keras.layers.InputLayer):
-                yield path, child, layer
-            yield from visit(child, path + "/")
-
-    yield from visit(root, "")
-
-
 def saved_layers(root):
     """The ids of the layers whose own configs `root`'s config holds, dtype policies included.
 
@@ -102,30 +79,9 @@ def saved_layers(root):
     return {id(layer) for _, layer, parent in walk(root) if listed(parent)}
 
 
-def own_weights(layer):
-    """The variables `layer` holds itself, not through the layers inside it."""
-    inherited = {id(w) for child in _children(layer) for w in child.weights}
-    return [w for w in layer.weights if id(w) not in inherited]
-
-
 def _config(model):
     """`model`'s config as `model.save` writes it (a layer's auto config included)."""
     return keras.saving.serialize_keras_object(model).get("config") or {}
-
-
-def _children(layer):
-    """The layers directly inside `layer`: a graph model's layers, else those it tracks."""
-    if is_graph_model(layer):
-        return list(layer.layers)  # not the hidden functional model a Sequential keeps
-    return _compat.sublayers(layer)
-
-
-def resolved_policy(layer):
-    """The `keras.DTypePolicy` `layer` computes under (a `DTypePolicyMap` looked up by path)."""
-    policy = layer.dtype_policy
-    if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
-        return policy[layer.path] if layer.path else policy.default_policy
-    return policy
 
 
 class Rules:
@@ -291,11 +247,6 @@ def _output_layers(model):
     return found
 
 
-def is_graph_model(model):
-    """A Sequential or functional model (a keras-hub backbone included): its graph is known."""
-    return isinstance(model, keras.Sequential) or _compat.is_functional(model)
-
-
 def _is_normalization(layer):
     """Keras's normalization layers, and other libraries' by name (keras-hub's `LlamaLayerNorm`)."""
     return isinstance(layer, _NORMALIZATION) or "Norm" in type(layer).__name__
@@ -327,17 +278,3 @@ def _activation_name(layer):
     if isinstance(activation, str):
         return activation
     return getattr(activation, "__name__", None)
-
-
-def is_auto_named(layer):
-    """Whether Keras named `layer` by its counter (made without `name=`): `t5_layer_norm_4`."""
-    if layer is None:
-        return False
-    return re.fullmatch(re.escape(snake_case(type(layer).__name__)) + r"(_\d+)?", layer.name) is not None
-
-
-def snake_case(class_name):
-    """The name Keras gives an unnamed layer of `class_name` before its counter (`T5LayerNorm` -> `t5_layer_norm`)."""
-    name = re.sub(r"\W+", "", class_name)
-    name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
-    return re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()

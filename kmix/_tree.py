@@ -1,0 +1,75 @@
+"""The layer tree of a Keras model, walked the one way every part of kmix reads it.
+
+`walk` visits each layer inside a model once, nested models, layers a custom
+layer or a keras-hub block creates in `build` included; `own_weights` are a
+layer's variables that none of its sublayers hold; `resolved_policy` is the
+policy a layer computes under (a `DTypePolicyMap` looked up by its path).
+"""
+
+import re
+
+import keras
+
+from kmix import _compat
+
+
+def walk(root):
+    """`(path, layer, parent)` for every layer inside `root`, depth first, each layer once.
+
+    `path` joins the names from `root` down (`"encoder/attention/query"`).
+    Layers that a custom layer or a keras-hub block creates in `build` are
+    found too. Input layers are left out.
+    """
+    seen = {id(root)}
+
+    def visit(layer, prefix):
+        for child in _children(layer):
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            path = f"{prefix}{child.name}"
+            if not isinstance(child, keras.layers.InputLayer):
+                yield path, child, layer
+            yield from visit(child, path + "/")
+
+    yield from visit(root, "")
+
+
+def own_weights(layer):
+    """The variables `layer` holds itself, not through the layers inside it."""
+    inherited = {id(w) for child in _children(layer) for w in child.weights}
+    return [w for w in layer.weights if id(w) not in inherited]
+
+
+def _children(layer):
+    """The layers directly inside `layer`: a graph model's layers, else those it tracks."""
+    if is_graph_model(layer):
+        return list(layer.layers)  # not the hidden functional model a Sequential keeps
+    return _compat.sublayers(layer)
+
+
+def resolved_policy(layer):
+    """The `keras.DTypePolicy` `layer` computes under (a `DTypePolicyMap` looked up by path)."""
+    policy = layer.dtype_policy
+    if isinstance(policy, keras.dtype_policies.DTypePolicyMap):
+        return policy[layer.path] if layer.path else policy.default_policy
+    return policy
+
+
+def is_graph_model(model):
+    """A Sequential or functional model (a keras-hub backbone included): its graph is known."""
+    return isinstance(model, keras.Sequential) or _compat.is_functional(model)
+
+
+def is_auto_named(layer):
+    """Whether Keras named `layer` by its counter (made without `name=`): `t5_layer_norm_4`."""
+    if layer is None:
+        return False
+    return re.fullmatch(re.escape(snake_case(type(layer).__name__)) + r"(_\d+)?", layer.name) is not None
+
+
+def snake_case(class_name):
+    """The name Keras gives an unnamed layer of `class_name` before its counter (`T5LayerNorm` -> `t5_layer_norm`)."""
+    name = re.sub(r"\W+", "", class_name)
+    name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()
