@@ -1,3 +1,492 @@
-"""keras-hub backbones built tiny: vision (see `tests.hub_zoo`)."""
+"""keras-hub backbones built tiny: vision, video and multimodal (see `tests.hub_zoo`).
+
+Each builder builds one backbone under the current global dtype policy, with
+hidden sizes of 8-32, one or two layers and the smallest image each class
+accepts, and returns `(backbone, x)`: `x` a batch of two, drawn from a fixed
+seed, valued as the model's preprocessing would give (images in [0, 1] or
+normalized as the class's image converter does, token ids in [1, vocab) with
+the second row padded).
+"""
+
+import keras_hub
+import numpy as np
 
 BUILDERS = {}
+
+_IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], "float32")
+_IMAGENET_STD = np.array([0.229, 0.224, 0.225], "float32")
+
+
+def _builds(name):
+    """Registers the decorated builder in `BUILDERS` under `name`."""
+
+    def register(builder):
+        BUILDERS[name] = builder
+        return builder
+
+    return register
+
+
+def _images(size, value_range="unit", seed=0, batch=2, frames=None):
+    """A batch of images `size` x `size` x 3, float32.
+
+    `value_range` is what the class's image converter hands the model:
+    "unit" for [0, 1], "symmetric" for [-1, 1], "imagenet" for pixels in
+    [0, 1] normalized by the ImageNet mean and standard deviation. With
+    `frames`, a video batch `(batch, frames, size, size, 3)`.
+    """
+    shape = (batch, size, size, 3) if frames is None else (
+        batch, frames, size, size, 3
+    )
+    pixels = np.random.default_rng(seed).uniform(0.0, 1.0, shape)
+    pixels = pixels.astype("float32")
+    if value_range == "symmetric":
+        return pixels * 2.0 - 1.0
+    if value_range == "imagenet":
+        return (pixels - _IMAGENET_MEAN) / _IMAGENET_STD
+    return pixels
+
+
+def _tokens(vocabulary_size, length, seed=1, pad=2):
+    """Token ids in [1, vocabulary_size) and a padding mask, batch of two.
+
+    The second row's last `pad` positions are padding: id 0, mask 0.
+    """
+    rng = np.random.default_rng(seed)
+    token_ids = rng.integers(1, vocabulary_size, (2, length)).astype("int32")
+    padding_mask = np.ones((2, length), "int32")
+    padding_mask[1, length - pad :] = 0
+    token_ids[1, length - pad :] = 0
+    return token_ids, padding_mask
+
+
+def _feed(backbone, images):
+    """`images` keyed as the backbone's single image input is, or bare."""
+    if isinstance(backbone.input, dict):
+        (key,) = backbone.input
+        return backbone, {key: images}
+    return backbone, images
+
+
+# --- Convolutional image encoders -----------------------------------------
+
+
+@_builds("CSPNetBackbone")
+def build_cspnet():
+    backbone = keras_hub.models.CSPNetBackbone(
+        stem_filters=8,
+        stem_kernel_size=3,
+        stem_strides=1,
+        stackwise_depth=[1, 1],
+        stackwise_strides=2,
+        stackwise_num_filters=[8, 16],
+        block_type="dark_block",
+        stage_type="csp",
+        down_growth=True,
+        bottle_ratio=(0.5, 1.0),
+        block_ratio=(1.0, 0.5),
+        expand_ratio=(2.0, 1.0),
+        stem_padding="same",
+        image_shape=(32, 32, 3),
+    )
+    return backbone, _images(32, "imagenet")
+
+
+@_builds("DenseNetBackbone")
+def build_densenet():
+    backbone = keras_hub.models.DenseNetBackbone(
+        stackwise_num_repeats=[1, 1],
+        growth_rate=8,
+        image_shape=(32, 32, 3),
+    )
+    return backbone, _images(32, "imagenet")
+
+
+@_builds("EfficientNetBackbone")
+def build_efficientnet():
+    backbone = keras_hub.models.EfficientNetBackbone(
+        stackwise_width_coefficients=[1.0, 1.0],
+        stackwise_depth_coefficients=[1.0, 1.0],
+        stackwise_kernel_sizes=[3, 3],
+        stackwise_num_repeats=[1, 1],
+        stackwise_input_filters=[8, 8],
+        stackwise_output_filters=[8, 16],
+        stackwise_expansion_ratios=[1, 4],
+        stackwise_squeeze_and_excite_ratios=[0.0, 0.25],
+        stackwise_strides=[1, 2],
+        stackwise_block_types=["fused", "unfused"],
+        stackwise_force_input_filters=[0, 0],
+        stackwise_nores_option=[False, False],
+        num_features=32,
+        input_shape=(32, 32, 3),
+    )
+    return backbone, _images(32, "imagenet")
+
+
+@_builds("HGNetV2Backbone")
+def build_hgnetv2():
+    stage_filters = [[16, 8, 16, 1, 1, 3], [16, 8, 32, 1, 1, 3]]
+    backbone = keras_hub.models.HGNetV2Backbone(
+        depths=[1, 1],
+        embedding_size=16,
+        hidden_sizes=[16, 32],
+        stem_channels=[3, 8, 16],
+        hidden_act="relu",
+        use_learnable_affine_block=True,
+        stackwise_stage_filters=stage_filters,
+        apply_downsample=[False, True],
+        use_lightweight_conv_block=[False, True],
+        image_shape=(32, 32, 3),
+    )
+    return backbone, _images(32, "unit")
+
+
+@_builds("MobileNetBackbone")
+def build_mobilenet():
+    backbone = keras_hub.models.MobileNetBackbone(
+        stackwise_expansion=[[2], [4, 4]],
+        stackwise_num_blocks=[1, 2],
+        stackwise_num_filters=[[8], [16, 16]],
+        stackwise_kernel_size=[[3], [5, 5]],
+        stackwise_num_strides=[[2], [2, 1]],
+        stackwise_se_ratio=[[None], [0.25, 0.25]],
+        stackwise_activation=[["relu"], ["hard_swish", "hard_swish"]],
+        stackwise_padding=[[1], [2, 2]],
+        output_num_filters=32,
+        depthwise_filters=8,
+        depthwise_stride=2,
+        depthwise_residual=False,
+        last_layer_filter=32,
+        squeeze_and_excite=0.5,
+        input_num_filters=8,
+        image_shape=(32, 32, 3),
+    )
+    return backbone, _images(32, "imagenet")
+
+
+@_builds("MobileNetV5Backbone")
+def build_mobilenetv5():
+    backbone = keras_hub.models.MobileNetV5Backbone(
+        stackwise_block_types=[["er"], ["uir"], ["mqa"]],
+        stackwise_num_blocks=[1, 1, 1],
+        stackwise_num_filters=[[16], [16], [16]],
+        stackwise_strides=[[2], [2], [1]],
+        stackwise_act_layers=[["relu"], ["gelu"], ["gelu"]],
+        stackwise_exp_ratios=[[2.0], [2.0], [0.0]],
+        stackwise_se_ratios=[[0.0], [0.0], [0.0]],
+        stackwise_dw_kernel_sizes=[[0], [3], [0]],
+        stackwise_dw_start_kernel_sizes=[[0], [3], [0]],
+        stackwise_dw_end_kernel_sizes=[[0], [0], [0]],
+        stackwise_exp_kernel_sizes=[[3], [0], [0]],
+        stackwise_pw_kernel_sizes=[[1], [0], [0]],
+        stackwise_num_heads=[[0], [0], [2]],
+        stackwise_key_dims=[[0], [0], [8]],
+        stackwise_value_dims=[[0], [0], [8]],
+        stackwise_kv_strides=[[0], [0], [2]],
+        stackwise_use_cpe=[[False], [False], [False]],
+        stem_size=8,
+        num_features=32,
+        use_msfa=True,
+        msfa_indices=(-2, -1),
+        msfa_output_resolution=4,
+        layer_scale_init_value=1e-5,
+        image_shape=(32, 32, 3),
+    )
+    return backbone, _images(32, "symmetric")
+
+
+@_builds("ResNetBackbone")
+def build_resnet():
+    # The first stack must have 64 filters (a check in ResNetBackbone), and
+    # its first basic block adds the stem's output: the stem has 64 too.
+    backbone = keras_hub.models.ResNetBackbone(
+        input_conv_filters=[64],
+        input_conv_kernel_sizes=[7],
+        stackwise_num_filters=[64, 16],
+        stackwise_num_blocks=[1, 1],
+        stackwise_num_strides=[1, 2],
+        block_type="basic_block",
+        use_pre_activation=True,
+        image_shape=(32, 32, 3),
+    )
+    return backbone, _images(32, "imagenet")
+
+
+@_builds("VGGBackbone")
+def build_vgg():
+    backbone = keras_hub.models.VGGBackbone(
+        stackwise_num_repeats=[1, 1],
+        stackwise_num_filters=[8, 16],
+        image_shape=(32, 32, 3),
+    )
+    return backbone, _images(32, "imagenet")
+
+
+@_builds("XceptionBackbone")
+def build_xception():
+    backbone = keras_hub.models.XceptionBackbone(
+        stackwise_conv_filters=[[8, 16], [16, 32], [32, 32]],
+        stackwise_pooling=[True, True, False],
+        image_shape=(32, 32, 3),
+    )
+    return backbone, _images(32, "symmetric")
+
+
+# --- Vision transformers ----------------------------------------------------
+
+
+@_builds("DeiTBackbone")
+def build_deit():
+    backbone = keras_hub.models.DeiTBackbone(
+        image_shape=(32, 32, 3),
+        patch_size=8,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+    )
+    return backbone, _images(32, "imagenet")
+
+
+@_builds("DINOV2Backbone")
+def build_dinov2():
+    backbone = keras_hub.models.DINOV2Backbone(
+        patch_size=8,
+        num_layers=2,
+        hidden_dim=16,
+        num_heads=2,
+        intermediate_dim=32,
+        num_register_tokens=2,
+        use_swiglu_ffn=True,
+        image_shape=(32, 32, 3),
+        position_embedding_shape=(64, 64, 3),
+    )
+    return backbone, _images(32, "imagenet")
+
+
+@_builds("DINOV3Backbone")
+def build_dinov3():
+    backbone = keras_hub.models.DINOV3Backbone(
+        patch_size=8,
+        num_layers=2,
+        hidden_dim=16,
+        num_heads=2,
+        intermediate_dim=32,
+        num_register_tokens=2,
+        use_gated_mlp=True,
+        hidden_activation="silu",
+        image_shape=(32, 32, 3),
+    )
+    return backbone, _images(32, "imagenet")
+
+
+@_builds("MiTBackbone")
+def build_mit():
+    backbone = keras_hub.models.MiTBackbone(
+        layerwise_depths=[1, 1],
+        num_layers=2,
+        layerwise_num_heads=[1, 2],
+        layerwise_sr_ratios=[2, 1],
+        max_drop_path_rate=0.0,
+        layerwise_patch_sizes=[7, 3],
+        layerwise_strides=[4, 2],
+        hidden_dims=[8, 16],
+        image_shape=(32, 32, 3),
+    )
+    return backbone, _images(32, "unit")
+
+
+@_builds("SwinTransformerBackbone")
+def build_swin_transformer():
+    # 32 / patch 4 = 8x8 tokens, two windows of 4 a side; two blocks in the
+    # first stage so the second one uses shifted windows.
+    backbone = keras_hub.models.SwinTransformerBackbone(
+        image_shape=(32, 32, 3),
+        embed_dim=8,
+        depths=(2, 1),
+        num_heads=(1, 2),
+        window_size=4,
+        patch_size=4,
+        mlp_ratio=2.0,
+    )
+    return backbone, _images(32, "imagenet")
+
+
+@_builds("ViTBackbone")
+def build_vit():
+    backbone = keras_hub.models.ViTBackbone(
+        image_shape=(32, 32, 3),
+        patch_size=8,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        mlp_dim=32,
+    )
+    return backbone, _images(32, "symmetric")
+
+
+@_builds("ViTDetBackbone")
+def build_vit_det():
+    # 32 / patch 4 = 8x8 tokens: layer 0 attends in 4x4 windows, layer 1
+    # globally.
+    backbone = keras_hub.models.ViTDetBackbone(
+        hidden_size=16,
+        num_layers=2,
+        intermediate_dim=32,
+        num_heads=2,
+        global_attention_layer_indices=[1],
+        image_shape=(32, 32, 3),
+        patch_size=4,
+        num_output_channels=8,
+        window_size=4,
+    )
+    return backbone, _images(32, "imagenet")
+
+
+# --- Detection, segmentation and depth heads on a tiny image encoder --------
+
+
+def _tiny_resnet(stem_filters=8):
+    """A four-stack ResNet-vd with pyramid outputs P2-P5, any image size."""
+    # `_vd` blocks give the first stack a convolution shortcut, so the stem
+    # may be narrower than the 64 filters the first stack must have.
+    return keras_hub.models.ResNetBackbone(
+        input_conv_filters=[stem_filters] * 3,
+        input_conv_kernel_sizes=[3, 3, 3],
+        stackwise_num_filters=[64, 8, 8, 8],
+        stackwise_num_blocks=[1, 1, 1, 1],
+        stackwise_num_strides=[1, 2, 2, 2],
+        block_type="basic_block_vd",
+    )
+
+
+@_builds("BASNetBackbone")
+def build_basnet():
+    # BASNet's encoder is stride 32 below its input: 32x32 is the smallest.
+    # Its first conv feeds the ResNet's first stack in place of the stem, so
+    # the projection has the stem's width; its decoder is 8x as wide.
+    backbone = keras_hub.models.BASNetBackbone(
+        image_encoder=_tiny_resnet(stem_filters=4),
+        num_classes=1,
+        image_shape=(32, 32, 3),
+        projection_filters=4,
+    )
+    return backbone, _images(32, "imagenet")
+
+
+@_builds("DeepLabV3Backbone")
+def build_deeplab_v3():
+    backbone = keras_hub.models.DeepLabV3Backbone(
+        image_encoder=_tiny_resnet(),
+        spatial_pyramid_pooling_key="P4",
+        upsampling_size=4,
+        dilation_rates=[1, 2],
+        low_level_feature_key="P2",
+        projection_filters=8,
+        image_shape=(32, 32, 3),
+    )
+    return backbone, _images(32, "imagenet")
+
+
+@_builds("RetinaNetBackbone")
+def build_retinanet():
+    backbone = keras_hub.models.RetinaNetBackbone(
+        image_encoder=_tiny_resnet(),
+        min_level=3,
+        max_level=5,
+        use_p5=False,
+        image_shape=(32, 32, 3),
+    )
+    return backbone, _images(32, "imagenet")
+
+
+@_builds("SegFormerBackbone")
+def build_segformer():
+    encoder = keras_hub.models.MiTBackbone(
+        layerwise_depths=[1, 1],
+        num_layers=2,
+        layerwise_num_heads=[1, 2],
+        layerwise_sr_ratios=[2, 1],
+        max_drop_path_rate=0.0,
+        layerwise_patch_sizes=[7, 3],
+        layerwise_strides=[4, 2],
+        hidden_dims=[8, 16],
+        image_shape=(32, 32, 3),
+    )
+    backbone = keras_hub.models.SegFormerBackbone(
+        image_encoder=encoder, projection_filters=8
+    )
+    return backbone, _images(32, "imagenet")
+
+
+@_builds("DepthAnythingBackbone")
+def build_depth_anything():
+    encoder = keras_hub.models.DINOV2Backbone(
+        patch_size=8,
+        num_layers=2,
+        hidden_dim=16,
+        num_heads=2,
+        intermediate_dim=32,
+        image_shape=(32, 32, 3),
+        position_embedding_shape=(64, 64, 3),
+        apply_layernorm=True,
+    )
+    backbone = keras_hub.models.DepthAnythingBackbone(
+        image_encoder=encoder,
+        reassemble_factors=[2, 1],
+        neck_hidden_dims=[8, 16],
+        fusion_hidden_dim=16,
+        head_hidden_dim=8,
+        head_in_index=-1,
+        feature_keys=["stage1", "stage2"],
+    )
+    return _feed(backbone, _images(32, "imagenet"))
+
+
+@_builds("DFineBackbone")
+def build_d_fine():
+    # HGNetV2 gives stage1 at stride 4 and stage2 at stride 8: 8x8 and 4x4
+    # feature maps of a 32x32 image, 80 anchors for 8 queries.
+    encoder = keras_hub.models.HGNetV2Backbone(
+        depths=[1, 1],
+        embedding_size=16,
+        hidden_sizes=[32, 64],
+        stem_channels=[3, 8, 16],
+        hidden_act="relu",
+        use_learnable_affine_block=True,
+        stackwise_stage_filters=[[16, 8, 32, 1, 1, 3], [32, 16, 64, 1, 1, 3]],
+        apply_downsample=[False, True],
+        use_lightweight_conv_block=[False, True],
+        out_features=["stage1", "stage2"],
+    )
+    backbone = keras_hub.models.DFineBackbone(
+        backbone=encoder,
+        decoder_in_channels=[16, 16],
+        encoder_hidden_dim=16,
+        num_labels=4,
+        num_denoising=0,
+        learn_initial_query=False,
+        num_queries=8,
+        anchor_image_size=(32, 32),
+        feat_strides=[4, 8],
+        num_feature_levels=2,
+        hidden_dim=16,
+        encoder_in_channels=[32, 64],
+        encode_proj_layers=[1],
+        num_attention_heads=2,
+        encoder_ffn_dim=32,
+        num_encoder_layers=1,
+        hidden_expansion=0.5,
+        depth_multiplier=0.5,
+        eval_idx=-1,
+        num_decoder_layers=2,
+        decoder_attention_heads=2,
+        decoder_ffn_dim=32,
+        decoder_n_points=[2, 2],
+        lqe_hidden_dim=8,
+        num_lqe_layers=2,
+        out_features=["stage1", "stage2"],
+        image_shape=(32, 32, 3),
+        seed=0,
+    )
+    return _feed(backbone, _images(32, "unit"))
