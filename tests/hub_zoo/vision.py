@@ -60,6 +60,24 @@ def _tokens(vocabulary_size, length, seed=1, pad=2):
     return token_ids, padding_mask
 
 
+def _sentences(length, words, start=None, end=None, pad=0, seed=1):
+    """Two packed sentences of token ids, as a CLIP-style packer gives them.
+
+    Each row is `[start] w w ... w end pad ...` (start left out when None),
+    the words drawn from the integer range `words`; the first row fills
+    `length`, the second is two positions shorter and padded with `pad`.
+    """
+    rng = np.random.default_rng(seed)
+    rows = []
+    for used in (length, length - 2):
+        head = [] if start is None else [start]
+        tail = [] if end is None else [end]
+        count = used - len(head) - len(tail)
+        row = head + list(rng.integers(*words, count)) + tail
+        rows.append(row + [pad] * (length - used))
+    return np.array(rows, "int32")
+
+
 def _feed(backbone, images):
     """`images` keyed as the backbone's single image input is, or bare."""
     if isinstance(backbone.input, dict):
@@ -490,3 +508,254 @@ def build_d_fine():
         seed=0,
     )
     return _feed(backbone, _images(32, "unit"))
+
+
+# --- Image-text contrastive models ------------------------------------------
+
+
+@_builds("CLIPBackbone")
+def build_clip():
+    vocabulary_size = 64
+    vision_encoder = keras_hub.models.CLIPVisionEncoder(
+        patch_size=8,
+        hidden_dim=16,
+        num_layers=2,
+        num_heads=2,
+        intermediate_dim=32,
+        image_shape=(32, 32, 3),
+    )
+    text_encoder = keras_hub.models.CLIPTextEncoder(
+        vocabulary_size=vocabulary_size,
+        embedding_dim=16,
+        hidden_dim=16,
+        num_layers=2,
+        num_heads=2,
+        intermediate_dim=32,
+        max_sequence_length=8,
+    )
+    backbone = keras_hub.models.CLIPBackbone(
+        vision_encoder=vision_encoder,
+        text_encoder=text_encoder,
+        projection_dim=16,
+    )
+    # CLIP's vocabulary ends with its start and end tokens; the pooler takes
+    # the end token as the position of the largest id. Padding is id 0.
+    token_ids = _sentences(
+        8,
+        words=(1, vocabulary_size - 2),
+        start=vocabulary_size - 2,
+        end=vocabulary_size - 1,
+    )
+    return backbone, {"images": _images(32, "imagenet"), "token_ids": token_ids}
+
+
+@_builds("MetaCLIP2Backbone")
+def build_metaclip_2():
+    vocabulary_size = 64
+    vision_encoder = keras_hub.models.MetaCLIP2VisionEncoder(
+        patch_size=8,
+        hidden_dim=16,
+        num_layers=2,
+        num_heads=2,
+        intermediate_dim=32,
+        image_shape=(32, 32, 3),
+    )
+    text_encoder = keras_hub.models.MetaCLIP2TextEncoder(
+        vocabulary_size=vocabulary_size,
+        embedding_dim=16,
+        hidden_dim=16,
+        num_layers=2,
+        num_heads=2,
+        intermediate_dim=32,
+        max_sequence_length=8,
+    )
+    backbone = keras_hub.models.MetaCLIP2Backbone(
+        vision_encoder=vision_encoder,
+        text_encoder=text_encoder,
+        projection_dim=16,
+    )
+    # MetaCLIP 2's tokenizer: <s> 0, <pad> 1, </s> 2 (the pooler's EOS).
+    token_ids = _sentences(
+        8, words=(4, vocabulary_size), start=0, end=2, pad=1
+    )
+    return backbone, {"images": _images(32, "imagenet"), "token_ids": token_ids}
+
+
+@_builds("SigLIPBackbone")
+def build_siglip():
+    vocabulary_size = 64
+    vision_encoder = keras_hub.models.SigLIPVisionEncoder(
+        patch_size=8,
+        hidden_dim=16,
+        num_layers=2,
+        num_heads=2,
+        intermediate_dim=32,
+        image_shape=(32, 32, 3),
+    )
+    text_encoder = keras_hub.models.SigLIPTextEncoder(
+        vocabulary_size=vocabulary_size,
+        embedding_dim=16,
+        hidden_dim=16,
+        num_layers=2,
+        num_heads=2,
+        intermediate_dim=32,
+        max_sequence_length=8,
+    )
+    backbone = keras_hub.models.SigLIPBackbone(
+        vision_encoder=vision_encoder, text_encoder=text_encoder
+    )
+    # SigLIP pads with its end token </s> (id 1), so the last position is
+    # an end token in every row ("sticky" EOS, which its text head reads).
+    token_ids = _sentences(8, words=(2, vocabulary_size), end=1, pad=1)
+    return backbone, {"images": _images(32, "symmetric"), "token_ids": token_ids}
+
+
+# --- Vision-language models -------------------------------------------------
+
+
+@_builds("PaliGemmaBackbone")
+def build_pali_gemma():
+    vocabulary_size = 64
+    backbone = keras_hub.models.PaliGemmaBackbone(
+        vocabulary_size=vocabulary_size,
+        image_size=16,
+        num_layers=2,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=16,
+        intermediate_dim=32,
+        head_dim=8,
+        vit_patch_size=4,
+        vit_num_heads=2,
+        vit_hidden_dim=16,
+        vit_num_layers=2,
+        vit_intermediate_dim=32,
+    )
+    token_ids, padding_mask = _tokens(vocabulary_size, 8)
+    # A 4-token prompt (block attention) then the response (causal).
+    response_mask = padding_mask.copy()
+    response_mask[:, :4] = 0
+    return backbone, {
+        "images": _images(16, "symmetric"),
+        "token_ids": token_ids,
+        "padding_mask": padding_mask,
+        "response_mask": response_mask,
+    }
+
+
+@_builds("BLIP2Backbone")
+def build_blip2():
+    vocabulary_size = 64
+    num_query_tokens = 4
+    vision_encoder = keras_hub.models.BLIP2VisionEncoder(
+        image_size=16,
+        patch_size=4,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        use_patch_bias=True,
+        use_class_token=True,
+        use_mha_bias=True,
+        use_mlp_bias=True,
+        dropout_rate=0.0,
+        layer_norm_epsilon=1e-6,
+        initializer_range=0.02,
+    )
+    qformer = keras_hub.models.BLIP2QFormer(
+        num_query_tokens=num_query_tokens,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        vision_dim=16,
+        cross_attention_frequency=1,
+        dropout=0.0,
+        layer_norm_epsilon=1e-6,
+    )
+    language_model = keras_hub.models.BLIP2CustomOPT(
+        vocabulary_size=vocabulary_size,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        num_query_tokens=num_query_tokens,
+        dropout=0.0,
+        max_sequence_length=16,
+        qformer_hidden_dim=16,
+    )
+    backbone = keras_hub.models.BLIP2Backbone(
+        vision_encoder=vision_encoder,
+        qformer=qformer,
+        language_model=language_model,
+    )
+    token_ids, padding_mask = _tokens(vocabulary_size, 8)
+    return backbone, {
+        "images": _images(16, "imagenet"),
+        "token_ids": token_ids,
+        "padding_mask": padding_mask,
+    }
+
+
+@_builds("PARSeqBackbone")
+def build_parseq():
+    # PARSeq's vocabulary: [E] 0 (end), the characters, [B] (start), [P]
+    # (padding) last. A label of at most `max_label_length` characters is
+    # packed as [B] c ... c [E] [P] ..., one position longer than the label.
+    vocabulary_size = 16
+    max_label_length = 6
+    start, pad = vocabulary_size - 2, vocabulary_size - 1
+    image_encoder = keras_hub.models.ViTBackbone(
+        image_shape=(16, 32, 3),
+        patch_size=(4, 8),
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        mlp_dim=32,
+        use_class_token=False,
+    )
+    backbone = keras_hub.models.PARSeqBackbone(
+        image_encoder=image_encoder,
+        vocabulary_size=vocabulary_size,
+        max_label_length=max_label_length,
+        decoder_hidden_dim=16,
+        num_decoder_layers=1,
+        num_decoder_heads=2,
+        decoder_mlp_dim=32,
+    )
+    token_ids = _sentences(
+        max_label_length + 1, words=(1, start), start=start, end=0, pad=pad
+    )
+    padding_mask = (token_ids != pad).astype("int32")
+    images = np.random.default_rng(0).uniform(-1.0, 1.0, (2, 16, 32, 3))
+    return backbone, {
+        "images": images.astype("float32"),
+        "token_ids": token_ids,
+        "padding_mask": padding_mask,
+    }
+
+
+@_builds("VideoPrismBackbone")
+def build_video_prism():
+    # The video-text variant: factorized space-time encoder, attention
+    # pooling, and a causal text encoder over padded token ids.
+    vocabulary_size = 64
+    backbone = keras_hub.models.VideoPrismBackbone(
+        num_frames=2,
+        patch_size=8,
+        hidden_dim=16,
+        intermediate_dim=32,
+        num_heads=2,
+        num_spatial_layers=1,
+        num_temporal_layers=1,
+        num_auxiliary_layers=1,
+        vocabulary_size=vocabulary_size,
+        num_text_layers=1,
+        image_shape=(16, 16, 3),
+    )
+    token_ids, padding_mask = _tokens(vocabulary_size, 8)
+    return backbone, {
+        "pixel_values": _images(16, "unit", frames=2),
+        "token_ids": token_ids,
+        "padding_mask": padding_mask,
+    }
