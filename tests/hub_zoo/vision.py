@@ -759,3 +759,135 @@ def build_video_prism():
         "token_ids": token_ids,
         "padding_mask": padding_mask,
     }
+
+
+# --- Promptable segmentation ------------------------------------------------
+
+
+@_builds("SAMBackbone")
+def build_sam():
+    # ViTDet on 32x32 images with patch 4: an 8x8 image embedding.
+    image_encoder = keras_hub.models.ViTDetBackbone(
+        hidden_size=16,
+        num_layers=2,
+        intermediate_dim=32,
+        num_heads=2,
+        global_attention_layer_indices=[1],
+        image_shape=(32, 32, 3),
+        patch_size=4,
+        num_output_channels=8,
+        window_size=4,
+    )
+    prompt_encoder = keras_hub.layers.SAMPromptEncoder(
+        hidden_size=8,
+        image_embedding_size=(8, 8),
+        input_image_size=(32, 32),
+        mask_in_channels=16,
+    )
+    mask_decoder = keras_hub.layers.SAMMaskDecoder(
+        num_layers=2,
+        hidden_size=8,
+        intermediate_dim=16,
+        num_heads=2,
+        embedding_dim=8,
+        num_multimask_outputs=3,
+        iou_head_depth=2,
+        iou_head_hidden_dim=8,
+    )
+    backbone = keras_hub.models.SAMBackbone(
+        image_encoder=image_encoder,
+        prompt_encoder=prompt_encoder,
+        mask_decoder=mask_decoder,
+    )
+    # Two clicks in pixel coordinates: foreground and background, the second
+    # image's second click padding (label -1); one box (corners) each; no
+    # mask prompt (zero masks, as SAM's preprocessor sends).
+    points = np.array([[[8.0, 10.0], [20.0, 24.0]], [[16.0, 5.0], [0.0, 0.0]]])
+    labels = np.array([[1.0, 0.0], [1.0, -1.0]])
+    boxes = np.array(
+        [[[[4.0, 4.0], [28.0, 30.0]]], [[[10.0, 2.0], [22.0, 16.0]]]]
+    )
+    return backbone, {
+        "images": _images(32, "imagenet"),
+        "points": points.astype("float32"),
+        "labels": labels.astype("float32"),
+        "boxes": boxes.astype("float32"),
+        "masks": np.zeros((2, 0, 32, 32, 1), "float32"),
+    }
+
+
+@_builds("SAM3PromptableConceptBackbone")
+def build_sam3():
+    # 32x32 images, patch 4: an 8x8 grid; the FPN's 4x, 2x and 1x levels
+    # feed the three upsampling stages of the mask decoder.
+    vocabulary_size = 64
+    image_shape = (32, 32, 3)
+    vision_encoder = keras_hub.layers.SAM3VisionEncoder(
+        image_shape=image_shape,
+        patch_size=4,
+        num_layers=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        num_heads=2,
+        fpn_hidden_dim=16,
+        fpn_scale_factors=[4.0, 2.0, 1.0, 0.5],
+        pretrain_image_shape=(16, 16, 3),
+        window_size=2,
+        global_attn_indexes=[1],
+    )
+    text_encoder = keras_hub.layers.SAM3TextEncoder(
+        vocabulary_size=vocabulary_size,
+        embedding_dim=16,
+        hidden_dim=16,
+        num_layers=2,
+        num_heads=2,
+        intermediate_dim=32,
+        max_sequence_length=8,
+    )
+    geometry_encoder = keras_hub.layers.SAM3GeometryEncoder(
+        num_layers=1, hidden_dim=16, intermediate_dim=32, num_heads=2, roi_size=2
+    )
+    detr_encoder = keras_hub.layers.SAM3DetrEncoder(
+        num_layers=1, hidden_dim=16, intermediate_dim=32, num_heads=2
+    )
+    detr_decoder = keras_hub.layers.SAM3DetrDecoder(
+        image_shape=image_shape,
+        patch_size=4,
+        num_layers=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        num_heads=2,
+        num_queries=8,
+    )
+    mask_decoder = keras_hub.layers.SAM3MaskDecoder(
+        num_upsampling_stages=3, hidden_dim=16, num_heads=2
+    )
+    backbone = keras_hub.models.SAM3PromptableConceptBackbone(
+        vision_encoder=vision_encoder,
+        text_encoder=text_encoder,
+        geometry_encoder=geometry_encoder,
+        detr_encoder=detr_encoder,
+        detr_decoder=detr_decoder,
+        mask_decoder=mask_decoder,
+    )
+    # The text prompt is packed CLIP-style and padded with the end token.
+    start, end = vocabulary_size - 2, vocabulary_size - 1
+    token_ids = _sentences(8, words=(1, start), start=start, end=end, pad=end)
+    padding_mask = np.ones_like(token_ids)
+    padding_mask[1, -2:] = 0
+    # Box prompts as the preprocessor sends them: [batch index, cx, cy, w, h]
+    # in [0, 1], one positive box (label 1) per image. keras-hub 0.32's
+    # backbone hands the geometry encoder the labels as the box mask and the
+    # mask as the labels, so a padding box (label -10) crashes and a negative
+    # box (label 0) is read as padding: neither is sent.
+    boxes = np.array(
+        [[[0, 0.5, 0.5, 0.4, 0.6]], [[1, 0.4, 0.6, 0.5, 0.3]]], "float32"
+    )
+    box_labels = np.ones((2, 1), "int32")
+    return backbone, {
+        "pixel_values": _images(32, "symmetric"),
+        "token_ids": token_ids,
+        "padding_mask": padding_mask,
+        "boxes": boxes,
+        "box_labels": box_labels,
+    }
