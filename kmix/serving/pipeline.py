@@ -21,7 +21,7 @@ from kmix._output import progress
 from kmix.placing import autocast
 from kmix._tree import walk
 from kmix.policy.policy import Policy
-from kmix.serving import artifact, check, storage
+from kmix.serving import artifact, check, keras_file, storage
 
 _HALF = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "f16": "float16"}
 
@@ -151,11 +151,11 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
 
     for path in paths:
         if artifact.kind(path) == "keras":
-            artifact.check_rebuilds(served, path)
+            keras_file.check(served, path)
     disk, seconds, worst = {}, {}, None
     for path in paths:
         say(f"kmix.export: writing {path}")
-        artifact.write(served, path, x)
+        artifact.write(served, path, x, model)
         say(f"kmix.export: reading {path} back")
         predict, seconds[path] = artifact.load(path, served)
         result = check.Comparison(expected, predict(x))
