@@ -11,6 +11,10 @@ the second row padded).
 import keras_hub
 import numpy as np
 
+# keras-hub 0.32 does not export the VAE that StableDiffusion3Backbone needs
+# (its docstring's `keras_hub.models.VAEBackbone` does not exist).
+from keras_hub.src.models.vae.vae_backbone import VAEBackbone
+
 BUILDERS = {}
 
 _IMAGENET_MEAN = np.array([0.485, 0.456, 0.406], "float32")
@@ -890,4 +894,116 @@ def build_sam3():
         "padding_mask": padding_mask,
         "boxes": boxes,
         "box_labels": box_labels,
+    }
+
+
+# --- Diffusion ---------------------------------------------------------------
+
+
+@_builds("StableDiffusion3Backbone")
+def build_stable_diffusion_3():
+    # 32x32 images, a VAE of stride 8 (its group norms need multiples of 32
+    # filters): 4x4x16 latents, 2x2 patches of 2 for the MMDiT. SD3.5's
+    # RMS-normed queries and keys and a dual-attention first layer included.
+    vocabulary_size = 64
+    vae = VAEBackbone(
+        encoder_num_filters=[32, 32, 32, 32],
+        encoder_num_blocks=[1, 1, 1, 1],
+        decoder_num_filters=[32, 32, 32, 32],
+        decoder_num_blocks=[1, 1, 1, 1],
+        sampler_method="mode",
+    )
+    # SD3 reads each CLIP's penultimate layer (intermediate_output_index).
+    clip_l = keras_hub.models.CLIPTextEncoder(
+        vocabulary_size=vocabulary_size,
+        embedding_dim=16,
+        hidden_dim=16,
+        num_layers=2,
+        num_heads=2,
+        intermediate_dim=32,
+        intermediate_output_index=-2,
+        max_sequence_length=8,
+        name="clip_l",
+    )
+    clip_g = keras_hub.models.CLIPTextEncoder(
+        vocabulary_size=vocabulary_size,
+        embedding_dim=32,
+        hidden_dim=32,
+        num_layers=2,
+        num_heads=2,
+        intermediate_dim=64,
+        intermediate_activation="gelu",
+        intermediate_output_index=-2,
+        max_sequence_length=8,
+        name="clip_g",
+    )
+    backbone = keras_hub.models.StableDiffusion3Backbone(
+        mmdit_patch_size=2,
+        mmdit_hidden_dim=16,
+        mmdit_num_layers=2,
+        mmdit_num_heads=2,
+        mmdit_position_size=4,
+        mmdit_qk_norm="rms_norm",
+        mmdit_dual_attention_indices=(0,),
+        vae=vae,
+        clip_l=clip_l,
+        clip_g=clip_g,
+        image_shape=(32, 32, 3),
+    )
+    # CLIP-style prompts (start, words, end; CLIP-L pads with its end token,
+    # CLIP-G with 0) and the empty negative prompt.
+    start, end = vocabulary_size - 2, vocabulary_size - 1
+    words = (1, start)
+    prompt_l = _sentences(8, words, start=start, end=end, pad=end)
+    prompt_g = _sentences(8, words, start=start, end=end, pad=0)
+    empty_l = np.array([[start, end] + [end] * 6] * 2, "int32")
+    empty_g = np.array([[start, end] + [0] * 6] * 2, "int32")
+    latents = np.random.default_rng(2).standard_normal((2, 4, 4, 16))
+    return backbone, {
+        "images": _images(32, "symmetric"),
+        "latents": latents.astype("float32"),
+        "clip_l_token_ids": prompt_l,
+        "clip_l_negative_token_ids": empty_l,
+        "clip_g_token_ids": prompt_g,
+        "clip_g_negative_token_ids": empty_g,
+        "num_steps": np.full((2,), 4, "int32"),
+        "guidance_scale": np.full((2,), 7.0, "float32"),
+    }
+
+
+@_builds("FluxBackbone")
+def build_flux():
+    # Flux takes packed latents: a 4x4x4 latent in 2x2 patches is 4 tokens of
+    # 16 channels, each with its (0, row, column) position id; text tokens
+    # (T5 outputs) have position ids 0; `y` is CLIP's pooled embedding;
+    # timesteps are in [0, 1]. axes_dim splits the head dim (8) for RoPE.
+    rng = np.random.default_rng(3)
+    backbone = keras_hub.models.FluxBackbone(
+        input_channels=16,
+        hidden_size=16,
+        mlp_ratio=2.0,
+        num_heads=2,
+        depth=1,
+        depth_single_blocks=1,
+        axes_dim=[2, 2, 4],
+        theta=10_000,
+        use_bias=True,
+        guidance_embed=True,
+        image_shape=(4, 16),
+        text_shape=(6, 16),
+        image_ids_shape=(4, 3),
+        text_ids_shape=(6, 3),
+        y_shape=(8,),
+    )
+    rows, columns = np.meshgrid(np.arange(2), np.arange(2), indexing="ij")
+    position = np.stack([np.zeros(4), rows.ravel(), columns.ravel()], axis=-1)
+    image_ids = np.broadcast_to(position, (2, 4, 3))
+    return backbone, {
+        "image": rng.standard_normal((2, 4, 16)).astype("float32"),
+        "image_ids": image_ids.astype("float32"),
+        "text": (0.5 * rng.standard_normal((2, 6, 16))).astype("float32"),
+        "text_ids": np.zeros((2, 6, 3), "float32"),
+        "y": rng.standard_normal((2, 8)).astype("float32"),
+        "timesteps": np.array([0.25, 0.75], "float32"),
+        "guidance": np.full((2,), 3.5, "float32"),
     }
