@@ -36,6 +36,7 @@ import zipfile
 
 import keras
 
+from kmix._tree import walk
 from kmix.placing.reload import user_classes
 
 _CONFIG = "config.json"
@@ -92,16 +93,19 @@ def write(model, path):
                 target.writestr(info, data)
 
 
-def written_in_float32(layer, reloaded):
-    """Whether `layer` comes back from the file in float32 by design: one the file writes under `float32`.
+def written_in_float32(model):
+    """The ids of `model`'s layers that the file may write under `float32` by design.
 
     A layer computing in float32 on half weights (`HalfStoragePolicy`), and
-    kmix's `Softmax` or `MultiHeadAttention` written as Keras's in float32,
-    load with float32 compute and variables: `reloaded` is what
-    `kmix.placing.reload.describe` says of the loaded layer.
+    kmix's `Softmax` or `MultiHeadAttention` (with the layers inside it),
+    which the file writes as Keras's in float32: `load_model` gives them
+    float32 compute and variables.
     """
-    float32 = tuple(reloaded[1:3]) == ("float32", "float32")
-    return float32 and (layer.compute_dtype == "float32" or type(layer).__module__.split(".")[0] == "kmix")
+    found = set()
+    for _, layer, _ in walk(model):
+        if layer.compute_dtype == "float32" or type(layer).__module__.split(".")[0] == "kmix":
+            found.update([id(layer)] + [id(inner) for _, inner, _ in walk(layer)])
+    return found
 
 
 def rewrite(config):
