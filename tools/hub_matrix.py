@@ -98,6 +98,8 @@ def _error(value, crash):
 def _fit(row):
     if row.reference_crash or row.kmix_crash:
         return "-"
+    if row.fit_reference:
+        return "no reference"
     if row.fit_crash:
         return "crash"
     if row.fit_losses is None:
