@@ -244,9 +244,10 @@ def _check(name, half, fit):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                kmix.autocast(placed, policy)
+                _, placements = kmix.autocast(placed, policy, return_table=True)
             finally:
                 row.kmix_warnings = _distinct(caught)
+        row.kmix_layers = (sum("16" in placement.after for placement in placements), len(placements))
         y = _floats(placed(x, training=False))
         row.kmix_error = _error(y, y32)
         row.kmix_reload = _reload(placed, x, y)

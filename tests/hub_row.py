@@ -78,7 +78,9 @@ class Row:
     kmix and plain Keras (for the record: plain Keras's fit is no criterion);
     `fit_reference` why float32's fit gives no reference (it crashes, or
     trains at random: dropout);
-    `seconds` the time of each part.
+    `kmix_layers` is `(layers placed in half, layers)` from autocast's table
+    (for the record: a model kept whole in float32 meets the criteria with
+    no speed to gain); `seconds` the time of each part.
     """
 
     name: str
@@ -91,6 +93,7 @@ class Row:
     kmix_crash: str = None
     kmix_reload: Reload = None
     kmix_warnings: list = dataclasses.field(default_factory=list)
+    kmix_layers: tuple = None
     fit_losses32: list = None
     fit_losses: list = None
     fit_crash: str = None
