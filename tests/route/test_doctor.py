@@ -4,7 +4,6 @@ import platform
 
 import keras
 import numpy as np
-import pytest
 import tensorflow as tf
 
 import kmix
