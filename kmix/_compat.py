@@ -418,3 +418,27 @@ def adam_slots(optimizer, variable):
     """
     index = optimizer._get_variable_index(variable)
     return optimizer._momentums[index], optimizer._velocities[index]
+
+
+# ------------------------------------------------------------------------------------------
+# A functional graph's nodes, for `kmix.placing.settle`: a keras-hub backbone builds its graph
+# in its constructor, and the `keras.ops` nodes there record what they saw (a constant cast to
+# the embedding's dtype, a `Cast` to `x.dtype`). `load_model` re-runs the constructor under the
+# placed policies; making the model in memory compute the same means reading and replacing
+# those nodes' operations and constant arguments, which Keras keeps in private attributes
+# (`Functional._nodes_by_depth`, `Node.arguments`) with no public accessor.
+
+def graph_nodes(model):
+    """The nodes of functional `model`'s graph, deepest first, in Keras's own order within a depth."""
+    by_depth = model._nodes_by_depth
+    return [node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth]]
+
+
+def node_call(node):
+    """`(operation, args, kwargs)` of one node: what the graph calls, symbolic tensors included."""
+    return node.operation, node.arguments.args, node.arguments.kwargs
+
+
+def set_node_arguments(node, args, kwargs):
+    """Gives `node` new call arguments (the same symbolic tensors, other constants)."""
+    node.arguments = type(node.arguments)(*args, **kwargs)

@@ -15,13 +15,14 @@ One pipeline, read top to bottom in `autocast`:
 """
 
 import collections
+import re
 import warnings
 
 import keras
 import numpy as np
 
 from kmix.diagnose import islands
-from kmix.placing import place, reload, trace
+from kmix.placing import place, reload, settle, trace
 from kmix.policy import advice
 from kmix._tree import is_graph_model, own_weights, resolved_policy, walk
 from kmix.placing.rules import Rules, saved_layers
@@ -169,10 +170,11 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
     before = {id(layer): (resolved_policy(layer).name, type(layer)) for _, layer, _, _ in plan}
 
     place.place(plan)
-    unplaced = _check_reload(model, adopt=True)
+    settled = settle.settle(model, specs)
     kept = _keep_what_fails(_traceable(model, specs), plan)
     if kept:  # what it kept in float32, a reload must keep too
-        unplaced = _check_reload(model, adopt=False)
+        settled = settle.settle(model, specs)
+    _warn_settled(model, settled)
     place.reset_compiled_functions(model)
 
     table = AutocastTable()
@@ -183,8 +185,8 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
             cls += f" -> kmix.layers.{type(layer).__name__}"
         if id(layer) in kept:
             reason = f"fails in half: {kept[id(layer)]}"
-        if id(layer) in unplaced:
-            reason += f" (a reload gives {unplaced[id(layer)]})"
+        if id(layer) in settled.adopted and settled.adopted[id(layer)][1] != resolved_policy(layer).name:
+            reason += f" (planned {settled.adopted[id(layer)][1]}: a reload builds it so)"
         table.append(Placement(path, cls, old, resolved_policy(layer).name, reason))
     if advised is not None:
         _explain(table, advised.targets, given)
@@ -268,6 +270,8 @@ def _keep_what_fails(units, plan):
             layer = traced.culprit
             if traced.error is None or layer is None or id(layer) in kept or layer.compute_dtype == "float32":
                 break  # placed cleanly, or it fails in float32 too: not a placement's doing
+            if not _is_dtype_error(traced.error):
+                break  # the symbolic call itself fails (`range` over an unknown length): no verdict
             kept[id(layer)] = _first_words(traced.error)
             for sub in [layer] + [sub for _, sub, _ in walk(layer)]:
                 place.set_policy(sub, "float32")
@@ -281,55 +285,25 @@ def _keep_what_fails(units, plan):
     return kept
 
 
-def _check_reload(model, adopt):
-    """Makes `keras.models.load_model` place every layer as the model in memory; `{id: what differs}`.
-
-    With `adopt`, a layer without variables of its own that a block makes
-    (a dropout a keras-hub layer builds in its constructor) takes the policy
-    the reload gives it, as the block makes it.
-    """
-    copy, error = reload.reloaded(model)
-    if error is not None:
+def _warn_settled(model, settled):
+    """The warnings of `settle`: a model Keras cannot rebuild, placements or predictions it changes."""
+    if settled.error is not None:
         warnings.warn(
             f"kmix.autocast placed model {model.name!r} in memory, but Keras cannot build it from its "
-            f"config ({_first_words(error)}), so `model.save` will "
+            f"config ({_first_words(settled.error)}), so `model.save` will "
             "not load back as it is. Save its weights (`model.save_weights`) and build the model in code, "
             "then autocast it again.",
             stacklevel=3,
         )
-        return {}
-    found = reload.differences(model, copy)
-    if found and reload.record(model, found, copy):
-        copy, _ = reload.reloaded(model)
-        found = reload.differences(model, copy) if copy is not None else found
-    if adopt:
-        found = _adopt_block_choices(found, saved_layers(model))
-    if found:
-        described = [f"{path} ({_policy(mine)} in memory, {_policy(got)} after a reload)"
-                     for _, path, mine, got, _ in found.values()]
-        warnings.warn(
-            f"kmix.autocast placed every layer of model {model.name!r} in memory, but "
-            f"`keras.models.load_model` would place {len(described)} otherwise: {described[:6]}"
-            f"{' ...' if len(described) > 6 else ''}. Their blocks re-create them with a dtype of their "
-            "own, or their class leaves `dtype` out of its config, so a reloaded model computes there "
-            "as Keras builds it: after `load_model`, call `kmix.autocast` on it again.",
-            stacklevel=3,
-        )
-    return {i: _policy(row[3]) for i, row in found.items()}
+        return
+    settle.warn_adopted(model, settled, stacklevel=4)
+    settle.warn_different(model, settled, stacklevel=4)
 
 
-def _adopt_block_choices(found, listed):
-    """A layer without variables of its own that a block makes computes as a reload makes it.
-
-    A block's dropout, a keras-hub task's own policy: what their block or
-    model passes them when it is built.
-    """
-    for key, (layer, _, _, _, twin) in list(found.items()):
-        if twin is not None and not own_weights(layer) and key not in listed:
-            place.set_policy(layer, resolved_policy(twin).name)
-            if reload.describe(layer) == reload.describe(twin):
-                del found[key]
-    return found
+def _is_dtype_error(error):
+    """Whether `error` is two dtypes meeting (what half precision can cause), not a shape or trace error."""
+    message = str(error).split("Arguments received by")[0]  # Keras lists the call's arguments, dtypes and all
+    return re.search(r"float16|bfloat16|half|float32|float64|dtype|DT_", message) is not None
 
 
 def _first_words(error):

@@ -12,11 +12,12 @@ model's graph is known no other way).
 import functools
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from kmix import _compat
-from kmix.diagnose import probe
 from kmix._tree import is_graph_model, walk
+from kmix.diagnose import probe
 
 
 class Traced:
@@ -104,3 +105,23 @@ def _dtype(value):
         return "float32"
     dtype = keras.backend.standardize_dtype(dtype)
     return "float32" if dtype == "float64" else dtype
+
+
+def sample_inputs(specs, rows=2, length=8, seed=0):
+    """Made-up inputs for `specs`: `rows` rows, unknown axes of `length`; ones for integers.
+
+    Integer inputs (token ids, masks) are all ones, valid for any vocabulary
+    and a mask that keeps every position; float inputs are normal values.
+    """
+    rng = np.random.default_rng(seed)
+
+    def make(spec):
+        shape = [rows if i == 0 else (length if d is None else d) for i, d in enumerate(spec.shape)]
+        dtype = keras.backend.standardize_dtype(spec.dtype)
+        if keras.backend.is_float_dtype(dtype):
+            return rng.normal(size=shape).astype(dtype)
+        if dtype == "bool":
+            return np.ones(shape, bool)
+        return np.ones(shape, dtype)
+
+    return keras.tree.map_structure(make, specs)
