@@ -170,11 +170,11 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
     before = {id(layer): (resolved_policy(layer).name, type(layer)) for _, layer, _, _ in plan}
 
     place.place(plan)
-    settled = settle.settle(model, specs)
+    settled = settle.settle(model, specs, rules.default.name)
     kept = _keep_what_fails(_traceable(model, specs), plan)
     if kept:  # what it kept in float32, a reload must keep too
-        settled = settle.settle(model, specs)
-    _warn_settled(model, settled)
+        settled = settle.settle(model, specs, rules.default.name)
+    settle.warn(model, settled, stacklevel=3)
     place.reset_compiled_functions(model)
 
     table = AutocastTable()
@@ -186,7 +186,9 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
         if id(layer) in kept:
             reason = f"fails in half: {kept[id(layer)]}"
         if id(layer) in settled.adopted and settled.adopted[id(layer)][1] != resolved_policy(layer).name:
-            reason += f" (planned {settled.adopted[id(layer)][1]}: a reload builds it so)"
+            reason += f" (planned {settled.adopted[id(layer)][1]}: its block makes it so)"
+        if id(layer) in settled.unplaced:
+            reason += f" (a reload gives {settle.describe_policy(settled.unplaced[id(layer)][2])})"
         table.append(Placement(path, cls, old, resolved_policy(layer).name, reason))
     if advised is not None:
         _explain(table, advised.targets, given)
@@ -272,7 +274,7 @@ def _keep_what_fails(units, plan):
                 break  # placed cleanly, or it fails in float32 too: not a placement's doing
             if not _is_dtype_error(traced.error):
                 break  # the symbolic call itself fails (`range` over an unknown length): no verdict
-            kept[id(layer)] = _first_words(traced.error)
+            kept[id(layer)] = settle.first_words(traced.error)
             for sub in [layer] + [sub for _, sub, _ in walk(layer)]:
                 place.set_policy(sub, "float32")
     if kept:
@@ -285,41 +287,10 @@ def _keep_what_fails(units, plan):
     return kept
 
 
-def _warn_settled(model, settled):
-    """The warnings of `settle`: a model Keras cannot rebuild, placements or predictions it changes."""
-    if settled.error is not None:
-        warnings.warn(
-            f"kmix.autocast placed model {model.name!r} in memory, but Keras cannot build it from its "
-            f"config ({_first_words(settled.error)}), so `model.save` will "
-            "not load back as it is. Save its weights (`model.save_weights`) and build the model in code, "
-            "then autocast it again.",
-            stacklevel=3,
-        )
-        return
-    settle.warn_adopted(model, settled, stacklevel=4)
-    settle.warn_different(model, settled, stacklevel=4)
-
-
 def _is_dtype_error(error):
     """Whether `error` is two dtypes meeting (what half precision can cause), not a shape or trace error."""
     message = str(error).split("Arguments received by")[0]  # Keras lists the call's arguments, dtypes and all
     return re.search(r"float16|bfloat16|half|float32|float64|dtype|DT_", message) is not None
-
-
-def _first_words(error):
-    """The error's class and first line that says something (Keras starts with "Exception encountered")."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    lines = [line for line in lines if not line.startswith("Exception encountered")] or lines or [""]
-    text = lines[0].replace("\x1b[1m", "").replace("\x1b[0m", "")
-    return f"{type(error).__name__}: {text[:160]}"
-
-
-def _policy(description):
-    if isinstance(description, str):
-        return description
-    cls, compute, variable, _ = description
-    name = compute if compute == variable else f"mixed_{compute}"
-    return f"{cls} {name}"
 
 
 def _explain(table, targets, given):

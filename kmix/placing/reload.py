@@ -25,9 +25,19 @@ from kmix._tree import is_auto_named, own_weights, resolved_policy, snake_case, 
 from kmix.placing.rules import saved_layers
 
 
-def reloaded(model):
-    """`model` built from its config as `load_model` builds it (no weights), or the error why not."""
+def reloaded(model, global_policy=None):
+    """`model` built from its config as `load_model` builds it (no weights), or the error why not.
+
+    Args:
+        model: a built model.
+        global_policy: the Keras global dtype policy to load under (the one
+            in force by default), which the layers a block makes without
+            `dtype=` take.
+    """
+    previous = keras.config.dtype_policy()
     try:
+        if global_policy is not None:
+            keras.config.set_dtype_policy(global_policy)
         config = keras.saving.serialize_keras_object(model)
         config.pop("compile_config", None)
         with keras.saving.custom_object_scope(user_classes(model)):
@@ -35,6 +45,8 @@ def reloaded(model):
             return keras.saving.deserialize_keras_object(config, safe_mode=False), None
     except Exception as e:  # noqa: BLE001  any failure here is reported, never raised from autocast
         return None, e
+    finally:
+        keras.config.set_dtype_policy(previous)
 
 
 def differences(model, copy):

@@ -39,26 +39,38 @@ class Settled:
 
     Attributes:
         adopted: `{id(layer): (path, planned policy, the reloaded policy)}` for
-            the layers that took the reloaded model's policy.
+            the layers that took the reloaded model's policy: their block
+            gives them a dtype of its own.
         synced: how many graph nodes and layer constants took the rebuilt values.
         difference: the largest difference between the predictions of the
             model in memory and of the rebuilt one (0.0 when bitwise equal,
             None when not checked), after settling.
         error: why the model cannot be rebuilt from its config, or None.
+        load_under: the Keras global policy the model must be loaded under to
+            be rebuilt as placed (layers made without `dtype=` take it), or
+            None when the global policy of the moment does.
+        unplaced: `{id(layer): (path, in memory, after a reload)}` for the
+            layers a reload places otherwise under any one global policy.
+            They are kept as placed: what Keras gives them depends on the
+            global policy of the process that loads the model.
     """
 
-    def __init__(self, adopted=None, synced=0, difference=None, error=None):
-        self.adopted = adopted or {}
-        self.synced, self.difference, self.error = synced, difference, error
+    def __init__(self, adopted=None, synced=0, difference=None, error=None, load_under=None, unplaced=None):
+        self.adopted, self.unplaced = adopted or {}, unplaced or {}
+        self.synced, self.difference, self.error, self.load_under = synced, difference, error, load_under
 
 
-def settle(model, specs, record=True):
+def settle(model, specs, half_policy):
     """Makes `model` compute what `keras.models.load_model` would rebuild from its config.
 
     Args:
         model: a placed, built model.
         specs: `trace.input_specs(model)`, or None (no numerical check).
-        record: give blocks a policy map of the placement first (step 1).
+        half_policy: the Keras policy most layers were placed under. A layer
+            its block makes without `dtype=` takes Keras's global policy when
+            the model is loaded: rebuilt under the global policy of the
+            moment and under `half_policy`, such a layer differs in one; one
+            its block gives a dtype of its own differs in both, alike.
 
     Returns:
         A `Settled`.
@@ -67,13 +79,23 @@ def settle(model, specs, record=True):
     if error is not None:
         return Settled(error=error)
     found = reload.differences(model, copy)
-    if found and record and reload.record(model, found, copy):
+    if found and reload.record(model, found, copy):
         copy, error = reload.reloaded(model)
         if error is not None:
             return Settled(error=error)
         found = reload.differences(model, copy)
+    by_global, load_under = {}, None
+    if found and half_policy != keras.config.dtype_policy().name:
+        other, error = reload.reloaded(model, half_policy)
+        if error is None:
+            found_other = reload.differences(model, other)
+            by_block = {k: row for k, row in found.items() if k in found_other and row[3] == found_other[k][3]}
+            by_global = {k: row for k, row in found.items() if k not in by_block}
+            if not set(found_other) - set(by_block):
+                copy, load_under = other, half_policy  # loaded under it, the model is rebuilt as placed
+            found = by_block
     adopted = {}
-    for key, (layer, path, mine, _, twin) in found.items():
+    for key, (layer, path, _, _, twin) in found.items():
         if twin is None or type(twin) is not type(layer):
             continue
         before = resolved_policy(layer).name
@@ -83,41 +105,76 @@ def settle(model, specs, record=True):
     synced = _sync_graphs(model, copy) + _sync_constants(model, copy)
     if synced or adopted:
         place.reset_compiled_functions(model)
-    return Settled(adopted, synced, _difference(model, copy, specs))
+    unplaced = {} if load_under else {k: (row[1], row[2], row[3]) for k, row in by_global.items()}
+    difference = None if unplaced else _difference(model, copy, specs)
+    return Settled(adopted, synced, difference, load_under=load_under, unplaced=unplaced)
 
 
-def warn_adopted(model, settled, stacklevel):
-    """One warning naming the layers with weights whose placement a reload would not keep."""
-    lost = [
+def warn(model, settled, stacklevel):
+    """One warning for what a reload would not rebuild as placed: which layers, and what to do."""
+    if settled.error is not None:
+        message = (
+            f"Keras cannot build it from its config ({first_words(settled.error)}), so `model.save` will "
+            "not load back as it is. Save its weights (`model.save_weights`) and build the model in code, "
+            "then autocast it again."
+        )
+    elif settled.load_under is not None:
+        message = (
+            "some of its layers are made without `dtype=` (they take Keras's global policy when the model "
+            f"is built or loaded), so `keras.models.load_model` rebuilds it as placed only under the global "
+            f"policy {settled.load_under!r}: load it with `with kmix.policy_scope({settled.load_under!r}): "
+            "model = keras.models.load_model(path)`."
+        )
+    elif settled.unplaced:
+        described = [f"{path} ({describe_policy(mine)} in memory, {describe_policy(got)} after a reload)"
+                     for path, mine, got in settled.unplaced.values()]
+        message = (
+            f"`keras.models.load_model` would place {len(described)} layers otherwise: {described[:6]}"
+            f"{' ...' if len(described) > 6 else ''}. Their blocks make them without passing their dtype on "
+            "(they take Keras's global policy when loaded), so a reloaded model computes there as Keras "
+            "builds it: after `load_model`, call `kmix.autocast` on it again."
+        )
+    elif _lost(model, settled):
+        described = [f"{path} ({after}, planned {before})" for path, before, after in _lost(model, settled)]
+        message = (
+            f"its blocks make {len(described)} layers with a dtype of their own, which a reload gives them "
+            f"again: {described[:6]}{' ...' if len(described) > 6 else ''}. They compute so in memory too, "
+            "so that the model you train is the model that reloads; to keep them in float32, change the "
+            "block's code, or wrap the block in `kmix.layers.WithPolicy`."
+        )
+    elif settled.difference:
+        message = (
+            f"the model `keras.models.load_model` rebuilds from its config predicts up to "
+            f"{settled.difference:.3g} away from it on the same weights (an operation of its graph or a "
+            "layer's own state computes otherwise when rebuilt). After `load_model`, call `kmix.autocast` "
+            "on it again, or load the saved weights (`model.save_weights`) into the model built in code."
+        )
+    else:
+        return
+    warnings.warn(f"kmix.autocast placed model {model.name!r}, but {message}", stacklevel=stacklevel)
+
+
+def first_words(error):
+    """The error's class and first line that says something (Keras starts with "Exception encountered")."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("Exception encountered")] or lines or [""]
+    return f"{type(error).__name__}: {lines[0][:160]}"
+
+
+def describe_policy(description):
+    """`reload.describe`'s tuple as the table shows it: "LayerNormalization mixed_float16"."""
+    if isinstance(description, str):
+        return description
+    cls, compute, variable, _ = description
+    return f"{cls} {compute if compute == variable else f'mixed_{compute}'}"
+
+
+def _lost(model, settled):
+    """The adopted layers with weights of their own, placed otherwise than planned: `[(path, before, after)]`."""
+    return [
         (path, before, after) for key, (path, before, after) in settled.adopted.items()
         if before != after and _has_weights(model, key)
     ]
-    if not lost:
-        return
-    described = [f"{path} ({after}, planned {before})" for path, before, after in lost]
-    warnings.warn(
-        f"kmix.autocast: {len(lost)} layers of model {model.name!r} compute as `keras.models.load_model` "
-        f"rebuilds them, not as planned: {described[:6]}{' ...' if len(described) > 6 else ''}. Their "
-        "block makes them without passing its dtype on (they take the global policy when the model "
-        "is built or loaded), so kmix placed them as a reload will, and the model you train is the "
-        "model that reloads. To run them in half as well, build the model and load it under "
-        "`keras.config.set_dtype_policy('mixed_...')`, then call `kmix.autocast` on it.",
-        stacklevel=stacklevel,
-    )
-
-
-def warn_different(model, settled, stacklevel):
-    """One warning where the rebuilt model still predicts otherwise than the model in memory."""
-    if not settled.difference:
-        return
-    warnings.warn(
-        f"kmix.autocast placed model {model.name!r}, but the model `keras.models.load_model` rebuilds "
-        f"from its config predicts up to {settled.difference:.3g} away from it on the same weights "
-        "(an operation of its graph or a layer's own state computes otherwise when rebuilt). Train "
-        "the model and reload it with `kmix.autocast` applied again after `load_model`, or save its "
-        "weights (`model.save_weights`) and load them into the model built in code.",
-        stacklevel=stacklevel,
-    )
 
 
 def _has_weights(model, key):
@@ -139,8 +196,8 @@ def _sync_graphs(model, copy):
     """Takes the rebuilt graphs' operations' settings and constant arguments; the number changed."""
     changed = 0
     for ours, theirs in _pairs(model, copy):
-        if not (is_graph_model(ours) and is_graph_model(theirs)):
-            continue
+        if not (_compat.is_functional(ours) and _compat.is_functional(theirs)):
+            continue  # a Sequential's layers are its whole graph
         nodes, twins = _compat.graph_nodes(ours), _compat.graph_nodes(theirs)
         if len(nodes) != len(twins):
             continue
