@@ -20,7 +20,8 @@ from kmix.diagnose import Diagnosis, diagnose  # noqa: E402
 from kmix.optimizers import LossScaleOptimizer, wrap  # noqa: E402
 from kmix.placing import autocast  # noqa: E402
 from kmix.policy import Policy, active_policy, memory_report, policy_scope, set_policy  # noqa: E402
-from kmix.recommendation import Recommendation, recommend  # noqa: E402
+from kmix.route import device  # noqa: E402  (kmix.device: the device's facts and probe)
+from kmix.route.recommendation import Recommendation, recommend  # noqa: E402
 from kmix.serving import export  # noqa: E402
 
 __all__ = [

@@ -47,7 +47,7 @@ def main(argv=None):
     elif known.command == "diagnose":
         module = "kmix.diagnose.cli"
     else:
-        module = "kmix.doctor"
+        module = "kmix.route.doctor"
     try:
         entry = importlib.import_module(module).main
     except ModuleNotFoundError as e:

@@ -48,7 +48,7 @@ import keras
 import tensorflow as tf
 
 import kmix
-from kmix import _timing
+from kmix.route import timing
 from kmix.benchmarks.common import format_table, progress, time_call
 from kmix.benchmarks.gpt import build_model, compile_model, make_dataset, model_flops_per_token
 from kmix.benchmarks.routes import MODELS, Route, recommend_on_model, rewrite_option as rewrite_key
@@ -115,7 +115,7 @@ class _Run:
 
     def result(self, peak_bytes, phase=None):
         """The figures: the median round, and the rounds (`phase`: which interleaved rounds they were in)."""
-        step = _timing.median(self.seconds)
+        step = timing.median(self.seconds)
         items = self.route.items
         tflops = None
         if self.model_name == "gpt":
@@ -288,7 +288,7 @@ def speedup(base, row):
     """`base`'s step time over `row`'s: round by round (the median ratio) where they ran in the same
     interleaved rounds, else the ratio of their median rounds."""
     if base.get("phase") is not None and base.get("phase") == row.get("phase"):
-        return _timing.paired(base["rounds"], row["rounds"])[0]
+        return timing.paired(base["rounds"], row["rounds"])[0]
     return base["step_seconds"] / row["step_seconds"]
 
 

@@ -5,9 +5,9 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from kmix import device
 from kmix.diagnose import data, graph, probe, report
 from kmix.policy import Policy
+from kmix.route.facts import fast_bfloat16
 
 MARGIN = 8.0  # the recommended scale keeps the largest gradient this far below the half maximum
 SCALE_RANGE = (2.0**-24, 2.0**24)  # kmix.LossScaleOptimizer's default cap is 2^24
@@ -275,7 +275,7 @@ def _decide(model, policy, run, flaky, masks, bfloat16_available, n_batches):
     else:
         scale = None
     if bfloat16_available is None:
-        bfloat16_available = device.fast_bfloat16()
+        bfloat16_available = fast_bfloat16()
     overflow = any(reasons.get(n) in ("output", "input", "inside") for n in nodes)
     if half == "float16" and overflow and bfloat16_available:
         recommended = Policy("mixed_bfloat16")

@@ -2,13 +2,14 @@
 
 The SavedModel is what Keras's `model.export(path, format="tf_saved_model")`
 writes (a `keras.export.ExportArchive` with one endpoint, `serve`, also the
-`serving_default` signature), with three differences: its floating inputs
-are float32 whatever the model's first layers compute in; its floating
-outputs are cast to float32 where the model returns a half tensor (a
-keras-hub task whose last layer is a block); and each variable is stored
-once, where Keras 3.15's export stores every variable twice
-(keras-team/keras#23553), so the reloaded object has no `variables`
-attribute (it serves; it does not train).
+`serving_default` signature), its inputs and outputs named as Keras names
+them (`input_signature`), with three differences: its floating inputs are
+float32 whatever the model's first layers compute in; its floating outputs
+are cast to float32 where the model returns a half tensor (a keras-hub task
+whose last layer is a block); and each variable is stored once, where Keras
+3.15's export stores every variable twice (keras-team/keras#23553), so the
+reloaded object has no `variables` attribute (it serves; it does not
+train). The `.keras` file is `keras_file`'s: Keras alone loads it.
 """
 
 import os
@@ -20,8 +21,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kmix.placing.reload import differences, reloaded, user_classes
+from kmix._tree import is_graph_model
+from kmix.placing.reload import differences, user_classes
 from kmix.placing.trace import input_specs
+from kmix.serving import keras_file
 
 
 def kind(path):
@@ -29,41 +32,44 @@ def kind(path):
     return "keras" if str(path).endswith(".keras") else "tf_saved_model"
 
 
-def write(model, path, sample):
-    """Writes `model` to `path` (see `kind`); `sample` gives the serving signature where the model does not."""
-    if kind(path) == "keras":
-        model.save(path)
-        return
-    specs = input_specs(model) or input_specs(model, sample)
-    signature = keras.tree.map_structure(
-        lambda s: tf.TensorSpec(s.shape, tf.float32 if s.dtype.is_floating else s.dtype), specs
-    )
+def write(served, path, sample, model):
+    """Writes `served` to `path` (see `kind`), its SavedModel inputs named as Keras names `model`'s.
 
-    def serve(x):
-        return keras.tree.map_structure(_to_float32, model(x, training=False))
+    `sample` gives the signature where the model does not (a subclassed model).
+    """
+    if kind(path) == "keras":
+        keras_file.write(served, path)
+        return
+
+    def serve(*args):
+        return keras.tree.map_structure(_to_float32, served(*args, training=False))
 
     archive = keras.export.ExportArchive()
-    # No `archive.track(model)`: the endpoint tracks the variables it reads itself, and tracking the
+    # No `archive.track(served)`: the endpoint tracks the variables it reads itself, and tracking the
     # model as well stores every variable a second time (keras-team/keras#23553).
-    archive.add_endpoint("serve", serve, input_signature=[signature])
+    archive.add_endpoint("serve", serve, input_signature=input_signature(model, served, sample))
     archive.write_out(path, verbose=False)
 
 
-def check_rebuilds(model, path):
-    """Raises before anything is written where `keras.models.load_model` could not rebuild `model`.
+def input_signature(model, served, sample):
+    """The `serve` endpoint's arguments as Keras's `model.export` gives them for `model`: a list of specs.
 
-    The config alone is rebuilt, as `load_model` rebuilds it (a Keras LSTM
-    under bfloat16 fails there: its orthogonal initializer's QR has no
-    bfloat16 kernel).
+    A functional model (keras-hub tasks and backbones too) takes one
+    argument, the structure of its inputs (a dict keyed as the model's), a
+    Sequential one per input; each `tf.TensorSpec` is named after the
+    model's input tensor (an `Input`'s name), which `serving_default` and a
+    TF Serving request address it by. A subclassed model takes the
+    structure it is called on, from `sample`, unnamed: TensorFlow names it
+    `args_0`, as in Keras's export. Floating inputs are float32; the batch
+    axis is open.
     """
-    _, error = reloaded(model)
-    if error is not None:
-        first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
-        raise ValueError(
-            f"kmix.export cannot write {path}: `keras.models.load_model` could not rebuild the half-precision "
-            f"model from its config ({type(error).__name__}: {first}). Nothing was written. Export to a "
-            "SavedModel directory instead (a path not ending in .keras), which serves the model as it is."
-        )
+    named = lambda t: _serving_spec(t.shape, t.dtype, t.name)  # noqa: E731
+    if isinstance(model, keras.Sequential):
+        return [named(t) for t in model.inputs]
+    if is_graph_model(model) and getattr(model, "inputs", None):
+        return [keras.tree.map_structure(named, model.input)]
+    specs = input_specs(served) or input_specs(served, sample)
+    return [keras.tree.map_structure(lambda s: _serving_spec(s.shape, s.dtype, None), specs)]
 
 
 def load(path, model):
@@ -78,8 +84,10 @@ def load(path, model):
         with keras.saving.custom_object_scope(user_classes(model)):
             loaded = keras.models.load_model(path, compile=False, safe_mode=False)
         predict = lambda x: loaded(x, training=False)  # noqa: E731
+        float32 = keras_file.written_in_float32(model)
         moved = [f"{path} (compute {mine[1]}, variables {mine[2]} as written; {theirs[1]}, {theirs[2]} loaded)"
-                 for _, path, mine, theirs, _ in differences(model, loaded).values()]
+                 for layer, path, mine, theirs, _ in differences(model, loaded).values()
+                 if not (id(layer) in float32 and tuple(theirs[1:3]) == ("float32", "float32"))]
         if moved:
             warnings.warn(
                 f"kmix.export wrote {path}, but `keras.models.load_model` rebuilds {len(moved)} of its layers "
@@ -121,6 +129,11 @@ def check_path(name, value):
             f"ending in '.keras'. Received: {name}={value!r} (of type {type(value).__name__})."
         )
     return str(value)
+
+
+def _serving_spec(shape, dtype, name):
+    dtype = tf.as_dtype(keras.backend.standardize_dtype(dtype))
+    return tf.TensorSpec((None,) + tuple(shape)[1:], tf.float32 if dtype.is_floating else dtype, name=name)
 
 
 def _to_float32(t):

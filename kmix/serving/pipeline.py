@@ -21,7 +21,7 @@ from kmix._output import progress
 from kmix.placing import autocast
 from kmix._tree import walk
 from kmix.policy.policy import Policy
-from kmix.serving import artifact, check, storage
+from kmix.serving import artifact, check, keras_file, storage
 
 _HALF = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "f16": "float16"}
 
@@ -75,8 +75,11 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
     """Writes a half-precision serving artifact of `model`, checked against its float32 outputs.
 
     The artifact is a TensorFlow SavedModel directory with a `serve`
-    endpoint (as Keras's `model.export(path, format="tf_saved_model")`
-    writes), or a `.keras` file for a path ending in `.keras`. Its weights
+    endpoint and a `serving_default` signature taking the inputs by the
+    names Keras's `model.export(path, format="tf_saved_model")` gives them
+    (the input tensors' names, a dict's keys), or, for a path ending in
+    `.keras`, a file `keras.models.load_model` loads without kmix (kmix's
+    classes and policies are written as Keras's). Its weights
     are stored in `dtype`, about half the bytes of float32; it computes as
     kmix's O2 places a model: matmuls, convolutions and embeddings in
     `dtype`, normalization, softmax and the output layers in float32 (the
@@ -125,6 +128,8 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
     >>> print(report.max_abs_diff, report.top1_agreement)
     >>> served = tf.saved_model.load("serving/1")
     >>> probs = served.serve(x_val[:8])                     # float32 in, float32 out
+    >>> infer = served.signatures["serving_default"]        # by name, as TF Serving calls it
+    >>> probs = infer(features=tf.constant(x_val[:8]))["output_0"]  # keras.Input(name="features")
     """
     paths = _check_paths(filepath)
     half = _check_dtype(dtype)
@@ -151,11 +156,11 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
 
     for path in paths:
         if artifact.kind(path) == "keras":
-            artifact.check_rebuilds(served, path)
+            keras_file.check(served, path)
     disk, seconds, worst = {}, {}, None
     for path in paths:
         say(f"kmix.export: writing {path}")
-        artifact.write(served, path, x)
+        artifact.write(served, path, x, model)
         say(f"kmix.export: reading {path} back")
         predict, seconds[path] = artifact.load(path, served)
         result = check.Comparison(expected, predict(x))

@@ -36,7 +36,10 @@ class HalfStoragePolicy(keras.DTypePolicy):
     Keras turns a plain policy in a layer's config back into its name, which
     this policy is not; a layer carries it inside a
     `keras.dtype_policies.DTypePolicyMap` (see `store_in_half`), which
-    `keras.models.load_model` restores with `kmix` imported.
+    `keras.models.load_model` restores with `kmix` imported. The `.keras`
+    file `kmix.export` writes holds Keras's `float32` policy in its place
+    (`kmix.serving.keras_file`): Keras alone loads it, the weights still
+    half in the file.
 
     Args:
         name: `"stored_bfloat16"` or `"stored_float16"`, or the half dtype

@@ -8,9 +8,9 @@ import pytest
 import tensorflow as tf
 
 import kmix
-from kmix import _timing
-from kmix import doctor
-from kmix.recommendation import Recommendation
+from kmix.route import doctor, onednn, timing
+from kmix.route.recommendation import Recommendation
+
 
 def _recommendation(policy="O1-bfloat16", jit=True):
     return Recommendation(policy, jit, ("a reason",), policy == "O1-float16", None)
@@ -103,14 +103,12 @@ def test_doctor_with_cuda_visible_devices_empty_says_why(monkeypatch, capsys):
 
 def _comparison(ratio_on, noise_rounds=(1.0, 1.0, 1.0), enabled_on=True):
     """A Comparison where oneDNN on runs `ratio_on` times as fast as off, round by round."""
-    from kmix import _onednn
-
-    off = {config: [0.1 * r for r in noise_rounds] for config in _onednn.CONFIGS}
-    on = {config: [0.1 / ratio_on for _ in noise_rounds] for config in _onednn.CONFIGS}
+    off = {config: [0.1 * r for r in noise_rounds] for config in onednn.CONFIGS}
+    on = {config: [0.1 / ratio_on for _ in noise_rounds] for config in onednn.CONFIGS}
     on[("bfloat16", False)] = [t / 1.5 for t in on[("bfloat16", False)]]  # the fastest with oneDNN
     best_on, best_off = ("bfloat16", False), ("float32", False)
-    ratio, noise = _timing.paired(off[best_off], on[best_on])
-    return _onednn.Comparison(on, off, best_on, best_off, ratio, noise, (1024, 512, 2048), 12.0,
+    ratio, noise = timing.paired(off[best_off], on[best_on])
+    return onednn.Comparison(on, off, best_on, best_off, ratio, noise, (1024, 512, 2048), 12.0,
                               {"on": enabled_on, "off": False})
 
 
@@ -130,13 +128,11 @@ def test_onednn_lines_say_whether_to_set_it_and_how():
 
 def test_onednn_comparison_runs_two_workers_interleaved():
     """Both settings for real, on a small step: each worker's TensorFlow has oneDNN as it was asked."""
-    from kmix import _onednn
-
-    result = _onednn.compare(shape=(64, 32, 64), rounds=2)
+    result = onednn.compare(shape=(64, 32, 64), rounds=2)
     assert result.enabled["off"] is False
-    assert set(result.on) == set(result.off) == set(_onednn.CONFIGS)
+    assert set(result.on) == set(result.off) == set(onednn.CONFIGS)
     assert all(len(v) == 2 and min(v) > 0 for v in [*result.on.values(), *result.off.values()])
-    assert result.best_on in _onednn.CONFIGS and result.ratio > 0 and result.noise >= _timing.NOISE_FLOOR
+    assert result.best_on in onednn.CONFIGS and result.ratio > 0 and result.noise >= timing.NOISE_FLOOR
     lines = doctor.onednn_lines(result)
     assert lines[0].startswith("TF_ENABLE_ONEDNN_OPTS=1 against =0") and "64x32x64" in lines[0]
 

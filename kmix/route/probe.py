@@ -5,18 +5,19 @@ with a model it tells which half dtypes are worth timing there. The step is
 `x + gelu(x @ w1 + b1) @ w2`, forward and backward (six matmuls, a bias, a
 GELU and a residual add), in float32, bfloat16 and float16, as a
 `tf.function` and under XLA. Every configuration runs at one size, in
-interleaved rounds (`kmix._timing`); a few seconds in all, cached per
-process and size. `kmix.device` re-exports `probe` and `Probe`.
+interleaved rounds (`kmix.route.timing`); a few seconds in all, cached per
+process and size. `kmix.device` shows `probe` and `Probe` with the device facts.
 
-    >>> from kmix import device
-    >>> print(device.probe())       # GFLOP/s per dtype, tf.function and XLA, with the spread
+    >>> import kmix
+    >>> print(kmix.device.probe())  # GFLOP/s per dtype, tf.function and XLA, with the spread
 """
 
 import dataclasses
 import functools
 import time
 
-from kmix import _timing
+from kmix.route import timing
+from kmix.route.facts import cpu_features, gpus
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -92,7 +93,7 @@ class Probe:
         if config in self.screened:
             return rate + " *"
         if self.rounds and config in self.rounds:
-            return f"{rate} ({_timing.spread(self.rounds[config]):.0%})"
+            return f"{rate} ({timing.spread(self.rounds[config]):.0%})"
         return rate
 
 
@@ -103,7 +104,7 @@ def probe(shape=None, budget=0.25):
     """Times the training step of `x + gelu(x @ w1 + b1) @ w2` per dtype, as a `tf.function` and under XLA; cached per shape.
 
     Every configuration is timed at the same size, in interleaved rounds
-    (`kmix._timing.run_rounds`: at least 7, each configuration once a
+    (`kmix.route.timing.run_rounds`: at least 7, each configuration once a
     round), and its figure is the median round. A first call of each at
     `m // 16` rows screens out the ones more than `SCREEN` times slower than
     the fastest there (float16 on most CPUs), so that they cost no seconds
@@ -143,7 +144,7 @@ def _probe(shape, budget, on_gpu):
     tensors = {dtype: [tf.cast(t, dtype) for t in tensors32] for dtype in DTYPES}
     # One function per configuration, each around a partial of its own: TensorFlow counts
     # retracing per Python code object, and six functions of one lambda would warn of it.
-    fns = {(dtype, jit): tf.function(functools.partial(_train_step), jit_compile=jit)
+    fns = {(dtype, jit): tf.function(functools.partial(train_step), jit_compile=jit)
            for dtype in DTYPES for jit in (False, True)}
     small_rows = max(1, m // 16)
     first = {config: _first_call(fn, [tensors[config[0]][0][:small_rows]] + tensors[config[0]][1:])
@@ -155,12 +156,10 @@ def _probe(shape, budget, on_gpu):
     for call in calls.values():  # trace at this size, and warm up
         call()
         call()
-    rounds = _timing.run_rounds(calls, {config: 1 for config in calls}, budget * len(calls),
-                                min_rounds=7, prune=None)
+    rounds = timing.run_rounds(calls, {config: 1 for config in calls}, budget * len(calls),
+                                min_rounds=7)
     gflops = {config: 12 * small_rows * k * n / first[config] / 1e9 for config in screened}
-    gflops.update({config: 12 * rows * k * n / _timing.median(seconds) / 1e9 for config, seconds in rounds.items()})
-    from kmix.device import cpu_features, gpus
-
+    gflops.update({config: 12 * rows * k * n / timing.median(seconds) / 1e9 for config, seconds in rounds.items()})
     where = gpus()[0]["name"] if on_gpu else f"CPU ({cpu_features()['model']})"
     return Probe(where, shape, gflops, time.perf_counter() - start,
                  {config: tuple(seconds) for config, seconds in rounds.items()}, rows, screened)
@@ -201,7 +200,7 @@ def _first_call(fn, args):
     return min(times)
 
 
-def _train_step(x, w1, b1, w2):
+def train_step(x, w1, b1, w2):
     """The gradients of a float32 loss of the MLP with respect to its input and weights."""
     import tensorflow as tf
 

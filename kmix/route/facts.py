@@ -1,25 +1,20 @@
-"""Device facts and a measured probe: what `kmix.recommend`, `doctor` and `diagnose` read.
+"""Device facts: what explains a route, read without timing anything.
 
-Facts explain; the probe decides. The facts are the GPUs' compute
-capabilities (and so their tensor cores), the CPU's model and the features
-that matter for half precision (AVX512_BF16, AMX-BF16, AVX512_FP16, read
-from `/proc/cpuinfo` where it exists, "unknown" elsewhere), and whether
-TensorFlow runs its CPU kernels through oneDNN. The probe
-(`kmix.mlp_probe`, re-exported here as `probe` and `Probe`) times the
-training step of a transformer's MLP in float32, bfloat16 and float16, as
-a `tf.function` and under XLA, all at one size in interleaved rounds; a
-few seconds in all, cached per process and size.
+The GPUs' compute capabilities (and so their tensor cores), the CPU's model
+and the features that matter for half precision (AVX512_BF16, AMX-BF16,
+AVX512_FP16, read from `/proc/cpuinfo` where it exists, "unknown"
+elsewhere), whether TensorFlow runs its CPU kernels through oneDNN, and the
+versions and build that `python -m kmix doctor` prints. Facts explain; the
+measured probe (`kmix.route.probe`) and the trials of the user's step
+(`kmix.route.trials`) decide. `kmix.device` shows both.
 
-    >>> from kmix import device
-    >>> device.cpu_features()["avx512_bf16"]
+    >>> from kmix.route import facts
+    >>> facts.cpu_features()["avx512_bf16"]
     True
-    >>> print(device.probe())       # GFLOP/s per dtype, tf.function and XLA
 """
 
 import os
 import platform
-
-from kmix.mlp_probe import DTYPES, SCREEN, Probe, plan_rows, probe  # noqa: F401  (the probe, re-exported)
 
 FLOAT16_TENSOR_CORES = (7, 0)  # Volta
 BFLOAT16_TENSOR_CORES = (8, 0)  # Ampere
@@ -150,7 +145,8 @@ def gather_facts():
     """Versions, devices and capabilities of this machine, as a dict.
 
     Returns:
-        A dict with `versions` (name -> version string), `gpus` (see `gpus()`),
+        A dict with `versions` (name -> version string: Python, TensorFlow,
+        Keras, NumPy; the doctor adds kmix's own), `gpus` (see `gpus()`),
         `cpu` (architecture and cores), `cpu_features` (see `cpu_features()`),
         `onednn` (bool), `built_with_cuda`, `cuda` / `cudnn` build versions
         (or None), `tf32` (whether TensorFlow's TF32 setting is on; it acts
@@ -162,14 +158,11 @@ def gather_facts():
     import numpy as np
     import tensorflow as tf
 
-    import kmix
-
     versions = {
         "python": platform.python_version(),
         "tensorflow": tf.__version__,
         "keras": keras.__version__,
         "numpy": np.__version__,
-        "kmix": kmix.__version__,
     }
     build = tf.sysconfig.get_build_info()
     return {

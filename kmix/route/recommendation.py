@@ -1,41 +1,26 @@
 """`kmix.recommend()`: the fastest safe policy and compilation, measured on this device or on your model.
 
 With a model and a batch of its data, `recommend` times the model's own
-training step on each candidate route (`kmix._trials`); without one it times
-a transformer MLP (`kmix.device.probe`). Either way the timings are
+training step on each candidate route (`kmix.route.trials`); without one it
+times a transformer MLP (`kmix.device.probe`). Either way the timings are
 interleaved rounds, and the decision is a pure function of them
-(`choose`), so that every branch is tested with injected figures:
+(`kmix.route.rule.choose`, which states the rule); this module turns it
+into a `Recommendation` whose reasons quote the figures.
 
-```
-f32  = the faster float32 compilation
-half = for each half dtype, its faster compilation; it wins when, round by round,
-       float32's step / its step >= min_gain and > 1 + noise   # noise: median - lower quartile
-       (float16 over bfloat16 only when faster still by float16_margin, beyond the noise)
-route = the winning half dtype, else float32
-compilation = the faster one; within NOISE_FLOOR (3%) of each other, Keras's default (XLA only with a GPU)
-```
-
-For the MLP probe, min_gain is MIN_SPEEDUP (1.1) and float16_margin
-FLOAT16_MARGIN (1.25): a synthetic step's edge must be clear to carry over.
-On the user's model both are 1: a half route wins by anything beyond the
-measured noise, so the route returned is within the noise of the fastest
-measured. bfloat16
-is preferred over float16: it has float32's range, so it needs no loss
-scaling and does not overflow. The half policy is Apex's O1 with that dtype
-(`kmix.autocast` places matmuls in it and keeps normalization, softmax and
-the model's outputs in float32), spelled as `kmix.Policy(...).name` spells
-it, a string every kmix entry point accepts.
+bfloat16 is preferred over float16: it has float32's range, so it needs no
+loss scaling and does not overflow. The half policy is Apex's O1 with that
+dtype (`kmix.autocast` places matmuls in it and keeps normalization,
+softmax and the model's outputs in float32), spelled as
+`kmix.Policy(...).name` spells it, a string every kmix entry point accepts.
 """
 
 import dataclasses
 
-from kmix import _timing, _trials, device
 from kmix._output import progress
-
-MIN_SPEEDUP = 1.1  # the probe: a half dtype must beat float32 by this much to be worth its rounding
-# The probe: float16 is chosen over bfloat16 only when this much faster: it needs loss scaling
-# and overflows at 65504, where bfloat16 has float32's range.
-FLOAT16_MARGIN = 1.25
+from kmix.route import facts, timing, trials
+from kmix.route.probe import DTYPES
+from kmix.route.probe import probe as measure_probe
+from kmix.route.rule import FLOAT16_MARGIN, MIN_SPEEDUP, choose
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +68,10 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
     does (`kmix.autocast` of a copy of the model, compiled in
     `kmix.policy_scope(policy)` with `kmix.wrap` and `jit_compile`), times
     `train_on_batch` on one batch in interleaved rounds, and returns the
-    fastest route, where a half route wins only beyond the measured noise.
+    fastest route by the rule of `kmix.route.rule`: a half route wins when
+    it is faster than float32 beyond the measured noise, or, where the
+    rounds cannot separate them, when it is more than 3% faster in the
+    median (the reasons then say so).
     The candidates are float32 and each half dtype the device's probe ran
     at least 0.85x as fast as float32 (float16 only where it beat
     bfloat16), each as a `tf.function` and under XLA. `model` is not
@@ -102,9 +90,12 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
             settings are copied for every route; `"adam"` if none).
         dtypes: the dtypes to time, e.g. `("float32", "bfloat16")`,
             instead of the probe's choice.
-        budget_s: seconds for the trials; building and compiling each route
-            come first and are not cut short, the timed rounds share the
-            rest (at least 5 rounds).
+        budget_s: seconds for the trials. Building and compiling each
+            route come first and are not cut short; then every route gets
+            at least 5 interleaved rounds (`kmix.route.trials.MIN_ROUNDS`),
+            past the budget if need be, and the routes whose comparisons
+            those rounds leave unsettled get more while the budget lasts
+            (at most 30 rounds).
         probe: a `kmix.device.Probe` to use instead of measuring one.
         verbose: progress lines on stderr while it measures.
 
@@ -125,27 +116,29 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
         if probe is None:
             if verbose:
                 progress("kmix.recommend: probing this device (a transformer MLP's training step)")
-            probe = device.probe(None if model is None else model_shape(model))
-        rec = decide(probe, device.gpus(), device.cpu_features(), device.onednn_enabled())
+            probe = measure_probe(None if model is None else model_shape(model))
+        rec = decide(probe, facts.gpus(), facts.cpu_features(), facts.onednn_enabled())
         if model is not None:
             note = ("Sized from the model's dense layers, not timed on it: pass x=, y= (or sample=) to time "
                     "your own training step on each route.")
             rec = dataclasses.replace(rec, reasons=rec.reasons + (note,))
         return rec
-    loss, optimizer = _trials.training_setup(model, loss, optimizer)
-    batch = _trials.first_batch(x, y, sample, batch_size)
+    loss, optimizer = trials.training_setup(model, loss, optimizer)
+    batch = trials.first_batch(x, y, sample, batch_size)
     if dtypes is None:
         if probe is None:
             if verbose:
                 progress("kmix.recommend: probing this device for the half dtypes worth timing")
-            probe = device.probe()
-        dtypes, skipped = _trials.candidates(probe)
+            probe = measure_probe()
+        dtypes, skipped = trials.candidates(probe)
     else:
-        dtypes, skipped = _trials.check_dtypes(dtypes), ()
+        dtypes, skipped = trials.check_dtypes(dtypes), ()
     routes = [(_policy(d), jit) for d in dtypes for jit in (False, True)]
-    table = _trials.time_routes(model, batch, loss, optimizer, routes, float(budget_s), verbose)
+    gpus = facts.gpus()
+    table = trials.time_routes(model, batch, loss, optimizer, routes, float(budget_s), verbose,
+                               default_jit=bool(gpus))
     table = dataclasses.replace(table, skipped=tuple(skipped))
-    return decide_routes(table, probe, device.gpus(), device.cpu_features(), device.onednn_enabled())
+    return decide_routes(table, probe, gpus, facts.cpu_features(), facts.onednn_enabled())
 
 
 def _policy(dtype):
@@ -166,55 +159,6 @@ def model_shape(model):
     return (1024, min(max(median(ins), 16), 8192), min(max(median(outs), 16), 8192))
 
 
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    """What `choose` found: the `route` `(dtype, jit)`, float32's best `reference`, and per half
-    dtype `gains[dtype] = (its best route, float32's step / its step, noise)`."""
-
-    route: tuple
-    reference: tuple
-    gains: dict
-
-
-def choose(times, default_jit, min_gain, float16_margin):
-    """The fastest safe route from interleaved timings (pure; see the module docstring).
-
-    Args:
-        times: `{(dtype, jit_compile): [seconds per round]}` (float32 required).
-        default_jit: the compilation kept when both are within
-            `NOISE_FLOOR` of each other (Keras's default: True with a GPU,
-            False without).
-        min_gain: the least speed-up over float32 a half dtype must show.
-        float16_margin: how much faster than bfloat16 float16 must be.
-
-    Returns:
-        A `Choice`.
-    """
-    def best(dtype):
-        configs = [c for c in times if c[0] == dtype]
-        fastest = min(configs, key=lambda c: _timing.median(times[c]))
-        default = (dtype, default_jit)
-        # A compilation costs no precision: the faster one, unless they are within the noise floor.
-        if default in times and _timing.paired(times[default], times[fastest])[0] <= 1 + _timing.NOISE_FLOOR:
-            return default
-        return fastest
-
-    reference = best("float32")
-    gains = {}
-    for half in ("bfloat16", "float16"):
-        if any(c[0] == half for c in times):
-            route = best(half)
-            gains[half] = (route,) + _timing.paired(times[reference], times[route])
-    wins = {h: g for h, g in gains.items() if g[1] >= min_gain and g[1] > 1 + g[2]}
-    if not wins:
-        return Choice(reference, reference, gains)
-    if "float16" in wins and "bfloat16" in wins:
-        ratio, noise = _timing.paired(times[wins["bfloat16"][0]], times[wins["float16"][0]])
-        return Choice(wins["float16" if ratio >= float16_margin and ratio > 1 + noise else "bfloat16"][0],
-                      reference, gains)
-    return Choice(next(iter(wins.values()))[0], reference, gains)
-
-
 def decide(probe, gpus, cpu, onednn=None):
     """The recommendation from the MLP probe and the device facts (pure).
 
@@ -227,30 +171,30 @@ def decide(probe, gpus, cpu, onednn=None):
     Returns:
         A `Recommendation`.
     """
-    choice = choose(probe.times(), bool(gpus), MIN_SPEEDUP, FLOAT16_MARGIN)
+    choice = choose(probe.times(), bool(gpus), MIN_SPEEDUP, FLOAT16_MARGIN, tie="float32")
     (dtype, jit), (_, ref_jit) = choice.route, choice.reference
-    reasons = [device.describe(gpus, cpu, onednn)]
+    reasons = [facts.describe(gpus, cpu, onednn)]
     reasons.append(
         f"Measured on {probe.device} ({_shape(probe)}), GFLOP/s as tf.function / XLA: "
-        + "; ".join(f"{d} {_g(probe.rate(d, False))} / {_g(probe.rate(d, True))}" for d in device.DTYPES)
+        + "; ".join(f"{d} {_g(probe.rate(d, False))} / {_g(probe.rate(d, True))}" for d in DTYPES)
         + "."
     )
     f32 = probe.rate("float32", ref_jit)
     if dtype == "float32":
-        halves = [f"{h} {g[1]:.2f}x (noise {g[2]:.0%})" for h, g in choice.gains.items()]
+        halves = [f"{h} {g.ratio:.2f}x (noise {g.noise:.0%})" for h, g in choice.gains.items()]
         reasons.append(
             f"No half dtype is {MIN_SPEEDUP}x faster than float32's best ({_g(f32)} GFLOP/s) beyond the "
             f"noise ({', '.join(halves) or 'none timed'}): float32, which has no rounding or overflow to manage."
         )
     elif dtype == "bfloat16":
-        _, gain, noise = choice.gains["bfloat16"]
+        gain, noise = choice.gains["bfloat16"].ratio, choice.gains["bfloat16"].noise
         reasons.append(
             f"bfloat16 runs {gain:.2f}x float32's best (noise {noise:.0%}){_vs_float16(probe)}: O1 with "
             "bfloat16 (float32's range: no loss scaling; kmix.wrap keeps a fixed scale of 1 and still "
             "skips non-finite steps)."
         )
     else:
-        _, gain, noise = choice.gains["float16"]
+        gain, noise = choice.gains["float16"].ratio, choice.gains["float16"].noise
         versus = probe.best("float16")[0] / max(probe.best("bfloat16")[0], 1e-9)
         reasons.append(
             f"float16 runs {gain:.2f}x float32's best (noise {noise:.0%}) and {versus:.2f}x bfloat16's: O1 "
@@ -263,39 +207,62 @@ def decide(probe, gpus, cpu, onednn=None):
     return _recommendation(dtype, jit, reasons, probe)
 
 
-def decide_routes(table, probe, gpus, cpu, onednn=None):
-    """The recommendation from the trials of the user's model (pure): a half route wins beyond the noise.
+def decide_routes(table, probe, gpus, cpu, onednn=None, tie="median"):
+    """The recommendation from the trials of the user's model (pure; the rule is `kmix.route.rule`'s).
 
     Args:
-        table: a `RouteTable` from `kmix._trials.time_routes`.
+        table: a `RouteTable` from `kmix.route.trials.time_routes`.
         probe: the `kmix.device.Probe` that chose the candidates, or None.
         gpus, cpu, onednn: the device facts, as for `decide`.
+        tie: what decides a half route the rounds could not separate from
+            float32 (`kmix.route.rule.choose`): `"median"`, the default, or
+            `"float32"` (`bench recommend` measures both).
 
     Returns:
         A `Recommendation` whose `table` marks the route chosen.
     """
     times = table.times()
-    choice = choose(times, bool(gpus), 1.0, 1.0)
+    choice = choose(times, bool(gpus), 1.0, 1.0, tie=tie)
     index = {(r.dtype, r.jit_compile): i for i, r in enumerate(table.routes)}
     table = dataclasses.replace(table, chosen=index[choice.route], reference=index[choice.reference])
     (dtype, jit), ref = choice.route, table.routes[index[choice.reference]]
-    ms = lambda c: f"{_timing.median(times[c]) * 1e3:.2f} ms"  # noqa: E731
-    reasons = [device.describe(gpus, cpu, onednn),
+    ms = lambda c: f"{timing.median(times[c]) * 1e3:.2f} ms"  # noqa: E731
+    counts = sorted({len(r.seconds) for r in table.routes})
+    shown = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
+    reasons = [facts.describe(gpus, cpu, onednn),
                f"Timed your model's training step on {table.batch}: {len(table.routes)} routes, "
-               f"{len(ref.seconds)} interleaved rounds (the table below)."]
+               f"{shown} interleaved rounds each (the table below)."]
+    floor = f"{timing.NOISE_FLOOR:.0%}"
     if dtype == "float32":
-        halves = [f"{_policy(h)}, {_compiled(g[0][1])} {g[1]:.2f}x (noise {g[2]:.0%})"
+        halves = [f"{_policy(h)}, {_compiled(g.route[1])} {g.ratio:.2f}x ({_interval(g)})"
                   for h, g in choice.gains.items()]
         reasons.append(f"No half route beats float32 ({ref.label}: {ms(choice.reference)} a step) beyond "
-                       f"the measured noise ({'; '.join(halves) or 'none timed'}): float32.")
+                       f"the measured noise and by more than {floor} "
+                       f"({'; '.join(halves) or 'none timed'}): float32.")
     else:
-        _, gain, noise = choice.gains[dtype]
+        g = choice.gains[dtype]
         scaling = ("no loss scaling" if dtype == "bfloat16" else
                    "with a dynamic loss scale: compile with kmix.wrap(optimizer)")
-        reasons.append(f"{_policy(dtype)} runs {gain:.2f}x float32's best route ({ref.label}, "
-                       f"{ms(choice.reference)} a step), beyond the measured noise ({noise:.0%}): {scaling}.")
+        if g.beyond_noise:
+            why = f"beyond the measured noise ({g.noise:.0%})"
+        else:
+            why = (f"faster in the median by more than {floor}, though the rounds could not separate "
+                   f"them beyond the noise ({_interval(g)}): the tie rule picks the faster median")
+        reasons.append(f"{_policy(dtype)} runs {g.ratio:.2f}x float32's best route ({ref.label}, "
+                       f"{ms(choice.reference)} a step), {why}: {scaling}.")
+    undecided = [h for h, g in choice.gains.items() if not g.settled]
+    if undecided and dtype == "float32":
+        kept = ("the tie rule (tie='float32') keeps float32" if choice.tie else
+                f"none is more than {floor} faster in the median, so float32 is kept (no rounding for nothing)")
+        reasons.append(f"The rounds could not separate {', '.join(_policy(h) for h in undecided)} from float32 "
+                       f"beyond the noise: {kept}. A longer budget_s, or a quieter machine, may settle it.")
     reasons.append(_compilation_line(choice.route, times, lambda c: f"{ms(c)} a step", bool(gpus)))
     return _recommendation(dtype, jit, reasons, probe, table)
+
+
+def _interval(gain):
+    """`"between 0.95x and 1.30x round by round"`: a ratio's confidence interval."""
+    return f"between {gain.low:.2f}x and {gain.high:.2f}x round by round, {timing.CONFIDENCE:.0%} each side"
 
 
 def _recommendation(dtype, jit, reasons, probe, table=None):
@@ -312,9 +279,9 @@ def _compilation_line(route, times, shown, gpu):
     (dtype, jit), other = route, (route[0], not route[1])
     if other not in times:
         return f"{dtype} timed as {_compiled(jit)} only ({shown(route)}): jit_compile={jit}."
-    ratio = _timing.paired(times[other], times[route])[0]
-    why = (f"{ratio:.2f}x round by round" if ratio > 1 + _timing.NOISE_FLOOR else
-           f"{ratio:.2f}x round by round, within {_timing.NOISE_FLOOR:.0%}: Keras's default, {_compiled(gpu)}")
+    ratio = timing.paired(times[other], times[route])[0]
+    why = (f"{ratio:.2f}x round by round" if ratio > 1 + timing.NOISE_FLOOR else
+           f"{ratio:.2f}x round by round, within {timing.NOISE_FLOOR:.0%}: Keras's default, {_compiled(gpu)}")
     return (f"{dtype} as {_compiled(jit)}: {shown(route)} against {shown(other)} as {_compiled(not jit)} "
             f"({why}): jit_compile={jit}.")
 

@@ -6,7 +6,7 @@ bfloat16 and float16, as a `tf.function` and under XLA, on this device, and
 the fastest safe policy and `jit_compile` are printed with the figures and
 the facts (tensor cores, CPU features, oneDNN) that explain them. On a CPU
 where oneDNN is off (TensorFlow's default on CPUs without AVX-512), it also
-measures whether `TF_ENABLE_ONEDNN_OPTS=1` would be faster (`kmix._onednn`:
+measures whether `TF_ENABLE_ONEDNN_OPTS=1` would be faster (`kmix.route.onednn`:
 two subprocesses, interleaved) and says how to set it.
 """
 
@@ -14,11 +14,12 @@ import argparse
 import os
 import sys
 
-from kmix import _onednn
+import kmix
 from kmix._output import progress
-from kmix.device import gather_facts, tensor_cores
 from kmix.policy import Policy
-from kmix.recommendation import recommend
+from kmix.route.facts import gather_facts, tensor_cores
+from kmix.route.onednn import compare as compare_onednn
+from kmix.route.recommendation import recommend
 
 
 def tf32_line(facts):
@@ -73,7 +74,7 @@ def why_no_gpu(facts):
 
 
 def onednn_lines(comparison):
-    """What the report says about `TF_ENABLE_ONEDNN_OPTS=1`, from a `kmix._onednn.Comparison`.
+    """What the report says about `TF_ENABLE_ONEDNN_OPTS=1`, from a `kmix.route.onednn.Comparison`.
 
     Args:
         comparison: the measured comparison of oneDNN on and off.
@@ -102,7 +103,7 @@ def onednn_lines(comparison):
 
 
 def format_report(facts, recommendation, onednn=None):
-    """The doctor's report as text; `onednn` is a `kmix._onednn.Comparison` or None."""
+    """The doctor's report as text; `onednn` is a `kmix.route.onednn.Comparison` or None."""
     lines = ["Versions"]
     lines += [f"  {name:<11} {version}" for name, version in facts["versions"].items()]
     lines.append("Devices")
@@ -190,6 +191,7 @@ def main(argv=None):
                         "(about 20 s). Default: on a CPU-only machine where oneDNN is off")
     args = parser.parse_args(argv)
     facts = gather_facts()
+    facts["versions"]["kmix"] = kmix.__version__
     recommendation = recommend()
     check = args.onednn_check
     if check is None:
@@ -197,7 +199,7 @@ def main(argv=None):
     comparison = None
     if check:
         progress("doctor: timing the probe with TF_ENABLE_ONEDNN_OPTS=1 and =0, in two subprocesses")
-        comparison = _onednn.compare()
+        comparison = compare_onednn()
     print(format_report(facts, recommendation, comparison))
     sys.stdout.flush()
     return {"facts": facts, "recommendation": recommendation, "onednn": comparison}

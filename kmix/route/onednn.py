@@ -4,11 +4,11 @@ TensorFlow reads `TF_ENABLE_ONEDNN_OPTS` once, when it starts, and turns
 oneDNN on by default only on some CPUs (AVX-512 and the like). So the
 question cannot be answered inside one process: `compare` starts two
 workers, one with oneDNN on and one with it off, each of which builds the
-probe's MLP training step (`kmix.mlp_probe._train_step`) in float32 and
+probe's MLP training step (`kmix.route.probe.train_step`) in float32 and
 bfloat16, as a `tf.function` and under XLA, and then times one call of each
 per round when asked. The parent asks them in turn, round after round, so
 that drift on the machine hits both alike, and compares each setting's
-fastest configuration round by round (`kmix._timing.paired`).
+fastest configuration round by round (`kmix.route.timing.paired`).
 
     >>> result = compare()
     >>> result.ratio, result.noise     # > 1 + noise: oneDNN on is faster
@@ -21,7 +21,9 @@ import subprocess
 import sys
 import time
 
-from kmix import _timing
+from kmix.route import timing
+from kmix.route.facts import onednn_enabled
+from kmix.route.probe import train_step
 
 CONFIGS = (("float32", False), ("float32", True), ("bfloat16", False), ("bfloat16", True))
 SHAPE = (1024, 512, 2048)
@@ -36,7 +38,7 @@ class Comparison:
         best_on, best_off: each setting's fastest configuration (median).
         ratio: round by round, best_off's seconds over best_on's (median; above 1: on is faster).
         noise: how far the lower quartile of those ratios is below the median
-            (at least `kmix._timing.NOISE_FLOOR`; see `kmix._timing.paired`).
+            (at least `kmix.route.timing.NOISE_FLOOR`; see `kmix.route.timing.paired`).
         shape: the probe's `(m, k, n)`.
         seconds: how long it took, the workers' start included.
         enabled: `{"on": bool, "off": bool}`: whether each worker's TensorFlow
@@ -61,7 +63,7 @@ class Comparison:
     def gflops(self, setting, config):
         """GFLOP/s of `config` under `setting` ("on" or "off"), from its median round."""
         m, k, n = self.shape
-        return 12 * m * k * n / _timing.median(getattr(self, setting)[config]) / 1e9
+        return 12 * m * k * n / timing.median(getattr(self, setting)[config]) / 1e9
 
 
 def compare(shape=SHAPE, rounds=7, timeout=300):
@@ -82,15 +84,15 @@ def compare(shape=SHAPE, rounds=7, timeout=300):
     finally:
         for worker in workers.values():
             _stop(worker)
-    best = {s: min(CONFIGS, key=lambda c: _timing.median(times[s][c])) for s in times}
-    ratio, noise = _timing.paired(times["off"][best["off"]], times["on"][best["on"]])
+    best = {s: min(CONFIGS, key=lambda c: timing.median(times[s][c])) for s in times}
+    ratio, noise = timing.paired(times["off"][best["off"]], times["on"][best["on"]])
     return Comparison(times["on"], times["off"], best["on"], best["off"], ratio, noise, tuple(shape),
                       time.perf_counter() - start, enabled)
 
 
 def _start(setting, shape):
     env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": "1" if setting == "on" else "0", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    code = f"from kmix import _onednn; _onednn.serve({tuple(shape)!r})"
+    code = f"from kmix.route import onednn; onednn.serve({tuple(shape)!r})"
     return subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
 
@@ -121,21 +123,19 @@ def serve(shape):
 
     import tensorflow as tf
 
-    from kmix import device, mlp_probe
-
     m, k, n = shape
     gen = tf.random.Generator.from_seed(0)
     tensors32 = (gen.normal((m, k)), gen.normal((k, n), stddev=k**-0.5), tf.zeros((n,)),
                  gen.normal((n, k), stddev=n**-0.5))
     calls = {}
     for dtype, jit in CONFIGS:
-        fn = tf.function(functools.partial(mlp_probe._train_step), jit_compile=jit)  # see mlp_probe._probe
+        fn = tf.function(functools.partial(train_step), jit_compile=jit)  # see probe._probe
         args = [tf.cast(t, dtype) for t in tensors32]
         calls[f"{dtype}:{'xla' if jit else 'tf'}"] = functools.partial(lambda f, a: f(*a).numpy(), fn, args)
     for call in calls.values():
         call()
         call()
-    print(json.dumps({"ready": device.onednn_enabled()}), flush=True)
+    print(json.dumps({"ready": onednn_enabled()}), flush=True)
     for line in sys.stdin:
         if line.strip() != "round":
             break

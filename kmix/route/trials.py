@@ -5,13 +5,16 @@ A route is a policy (`"float32"`, `"O1-bfloat16"`, `"O1-float16"`) and a
 the user's model (the model itself is never changed; see `placed_copy`):
 
     copy = kmix.autocast(<a clone of model, with its weights>, policy)
-    with kmix.policy_scope(policy):
+    with policy_scope(policy):
         copy.compile(optimizer=kmix.wrap(<a fresh copy of the user's optimizer>),
                      loss=<the user's loss>, jit_compile=jit_compile)
 
 then warmed up (two steps: the trace or XLA compile, and one more) and
 timed with `copy.train_on_batch(x, y)` on one batch of the user's data, in
-interleaved rounds (`kmix._timing.run_rounds`).
+interleaved rounds (`kmix.route.timing.run_rounds`): `MIN_ROUNDS` of every
+route, spent or not, then more rounds of the routes whose comparisons are
+still unsettled (`kmix.route.rule.unsettled`) while the budget lasts, up to
+`MAX_ROUNDS`.
 """
 
 import contextlib
@@ -21,12 +24,16 @@ import logging
 import time
 import warnings
 
-from kmix import _timing
 from kmix._output import format_table, progress
-from kmix.mlp_probe import DTYPES
+from kmix.optimizers import wrap
+from kmix.placing import autocast
+from kmix.policy import policy_scope
+from kmix.route import rule, timing
+from kmix.route.probe import DTYPES
 
 TARGET_ROUNDS = 10  # the budget is spread so that about this many rounds fit in it
-MIN_ROUNDS = 5  # fewer ratios than this tell too little about the noise
+MIN_ROUNDS = 5  # every route, whatever the budget: fewer ratios tell too little about the noise
+MAX_ROUNDS = 30  # where the noise keeps a comparison open, it stays open
 CANDIDATE = 0.85  # a half dtype is timed on the model when the probe ran it at least this fast as float32
 
 
@@ -79,9 +86,9 @@ class RouteTable:
         base = self.routes[self.reference].seconds if self.reference is not None else None
         rows = []
         for i, r in enumerate(self.routes):
-            ratio = _timing.paired(base, r.seconds)[0] if base is not None else "n/a"
-            rows.append([r.policy, "XLA" if r.jit_compile else "tf.function", _timing.median(r.seconds) * 1e3,
-                         min(r.seconds) * 1e3, f"{_timing.spread(r.seconds):.1%}", ratio, len(r.seconds),
+            ratio = timing.paired(base, r.seconds)[0] if base is not None else "n/a"
+            rows.append([r.policy, "XLA" if r.jit_compile else "tf.function", timing.median(r.seconds) * 1e3,
+                         min(r.seconds) * 1e3, f"{timing.spread(r.seconds):.1%}", ratio, len(r.seconds),
                          r.setup_s, "<- recommended" if i == self.chosen else ""])
         headers = ["policy", "compiled", "ms/step", "fastest", "spread", "x float32", "rounds", "setup s", ""]
         lines = [f"Training step of your model on {self.batch}: median of interleaved rounds "
@@ -197,22 +204,20 @@ def placed_copy(model, policy):
     """
     import keras
 
-    import kmix
-
     try:
         clone = keras.models.clone_model(model, recursive=True)
         clone.set_weights(model.get_weights())
     except (TypeError, ValueError, NotImplementedError):
         try:
-            return kmix.autocast(model, policy, copy=True)
+            return autocast(model, policy, copy=True)
         except TypeError as e:
             if "copy" not in str(e):
                 raise
-            return kmix.autocast(model, policy)  # an autocast without `copy=` returns a copy
-    return kmix.autocast(clone, policy)
+            return autocast(model, policy)  # an autocast without `copy=` returns a copy
+    return autocast(clone, policy)
 
 
-def time_routes(model, batch, loss, optimizer, routes, budget_s, verbose=True):
+def time_routes(model, batch, loss, optimizer, routes, budget_s, verbose=True, default_jit=False):
     """Builds, warms up and times every route; returns a `RouteTable` (no decision yet).
 
     Args:
@@ -221,11 +226,13 @@ def time_routes(model, batch, loss, optimizer, routes, budget_s, verbose=True):
         loss, optimizer: from `training_setup`.
         routes: `(policy, jit_compile)` pairs.
         budget_s: seconds for the whole trial; building and compiling come
-            first and are not cut short, the rounds share what is left.
+            first and are not cut short, the rounds share what is left
+            (`MIN_ROUNDS` of every route even when nothing is left).
         verbose: progress lines on stderr.
+        default_jit: Keras's default compilation here (True with a GPU), which
+            the decision keeps within the noise floor: the comparisons left
+            unsettled, and so the routes timed further, depend on it.
     """
-    import kmix
-
     say = progress if verbose else (lambda message: None)
     x, y, described = batch
     start = time.perf_counter()
@@ -237,8 +244,8 @@ def time_routes(model, batch, loss, optimizer, routes, budget_s, verbose=True):
                 f"{'XLA' if jit else 'tf.function'}")
             begin = time.perf_counter()
             copy = placed_copy(model, policy)
-            with kmix.policy_scope(policy):
-                copy.compile(optimizer=kmix.wrap(fresh_optimizer(optimizer)), loss=loss, jit_compile=jit)
+            with policy_scope(policy):
+                copy.compile(optimizer=wrap(fresh_optimizer(optimizer)), loss=loss, jit_compile=jit)
             step = _step(copy, x, y)
             step()  # traces (or compiles) and builds the optimizer
             step()
@@ -251,7 +258,13 @@ def time_routes(model, batch, loss, optimizer, routes, budget_s, verbose=True):
         per_round = left / TARGET_ROUNDS / len(routes)
         steps = {route: max(1, int(per_round / max(first[route], 1e-6))) for route in routes}
         say(f"kmix.recommend: timing {len(routes)} routes in interleaved rounds ({left:.0f} s left of budget_s)")
-        rounds = _timing.run_rounds(built, steps, left, min_rounds=MIN_ROUNDS)
+        key = {route: (route[0].rsplit("-", 1)[-1], route[1]) for route in routes}  # (dtype, jit)
+
+        def more(rounds):
+            open_ = rule.unsettled({key[route]: seconds for route, seconds in rounds.items()}, default_jit)
+            return [route for route in routes if key[route] in open_]
+
+        rounds = timing.run_rounds(built, steps, left, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS, more=more)
     timings = tuple(RouteTiming(policy, bool(jit), tuple(rounds[(policy, jit)]), setup[(policy, jit)],
                                 steps[(policy, jit)]) for policy, jit in routes)
     built.clear()

@@ -9,9 +9,11 @@ import pytest
 import tensorflow as tf
 
 import kmix
-from kmix import _compat, _trials, device
-from kmix._trials import candidates
-from kmix.recommendation import FLOAT16_MARGIN, MIN_SPEEDUP, choose, decide, decide_routes, model_shape
+from kmix import _compat, device
+from kmix.route import trials
+from kmix.route.recommendation import decide, decide_routes, model_shape
+from kmix.route.rule import FLOAT16_MARGIN, MIN_SPEEDUP, choose
+from kmix.route.trials import candidates
 
 CPU_BF16 = {"model": "AMD EPYC", "source": "/proc/cpuinfo", "avx512_bf16": True, "amx_bf16": False,
             "avx512_fp16": False, "avx512f": True}
@@ -167,9 +169,9 @@ def test_compilation_within_the_noise_floor_is_kerass_default():
 
 def _table(**routes):
     """A RouteTable from `policy_jit=[seconds per round]` keyword arguments (jit: `tf` or `xla`)."""
-    timings = [_trials.RouteTiming(name.rsplit("_", 1)[0].replace("_", "-"), name.endswith("xla"), tuple(v), 1.0, 1)
+    timings = [trials.RouteTiming(name.rsplit("_", 1)[0].replace("_", "-"), name.endswith("xla"), tuple(v), 1.0, 1)
                for name, v in routes.items()]
-    return _trials.RouteTable(tuple(timings), batch="a batch of 8 rows")
+    return trials.RouteTable(tuple(timings), batch="a batch of 8 rows")
 
 
 def test_decide_on_a_models_table():
@@ -263,7 +265,8 @@ def test_recommend_on_a_model_times_copies_and_leaves_the_model_as_it_was(caplog
     chosen = table.routes[table.chosen]
     assert (chosen.policy, chosen.jit_compile) == (rec.policy, rec.jit_compile)
     assert table.routes[table.reference].policy == "float32"
-    assert max(len(r.seconds) for r in table.routes) >= 5 and min(len(r.seconds) for r in table.routes) >= 2
+    # Every route got the documented minimum of rounds, however short the budget (1 s here).
+    assert min(len(r.seconds) for r in table.routes) >= trials.MIN_ROUNDS
     assert all(s > 0 for r in table.routes for s in r.seconds) and table.batch == "a batch of 16 rows"
     # The decision is the pure one, on the table shown.
     again = decide_routes(dataclasses.replace(table, chosen=None), None, device.gpus(), device.cpu_features(),

@@ -1,0 +1,180 @@
+"""The decision: the fastest safe route from interleaved timings, a pure function of them.
+
+Every branch is tested with injected figures. `times` maps each route
+`(dtype, jit_compile)` to its seconds per step, one entry per interleaved
+round; every comparison is round by round (`kmix.route.timing.bounds`: the
+median ratio and its confidence interval `[low, high]`):
+
+```
+best(dtype) = its compilation that is faster by more than NOISE_FLOOR (3%), else Keras's default
+f32         = best(float32), the reference every ratio divides
+for each half dtype h, r = f32's step / best(h)'s step, round by round:
+    beyond the noise: low > 1 and median > 1 + NOISE_FLOOR      -> a win (if median >= min_gain)
+    settled:          high <= 1 + NOISE_FLOOR                    -> no win
+    otherwise the rounds cannot separate them: the tie rule decides
+        tie="median":  a win when median > 1 + NOISE_FLOOR (and >= min_gain)   # recommend(model, ...)
+        tie="float32": no win                                                  # the MLP probe
+route = the winning half dtype (float16 over bfloat16 only when faster than it by float16_margin,
+        beyond the noise), else float32
+```
+
+On the user's model (`tie="median"`, `min_gain` 1) the route returned is
+the fastest in the median, except that a half dtype must beat float32 by
+more than 3% to be worth its rounding, and float16 must beat bfloat16
+beyond the noise to be worth its loss scaling. Before the tie rule is
+reached, the trials give the unsettled comparisons more rounds while the
+budget lasts (`unsettled`). The probe (`tie="float32"`, `min_gain` 1.1) is
+a synthetic step: its edge must be clear to carry over to a model.
+"""
+
+import dataclasses
+
+from kmix.route import timing
+
+MIN_SPEEDUP = 1.1  # the probe: a half dtype must beat float32 by this much to be worth its rounding
+# The probe: float16 is chosen over bfloat16 only when this much faster: it needs loss scaling
+# and overflows at 65504, where bfloat16 has float32's range.
+FLOAT16_MARGIN = 1.25
+TIES = ("median", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Gain:
+    """A half dtype's best route against float32's, round by round.
+
+    Attributes:
+        route: the half dtype's route `(dtype, jit_compile)`.
+        ratio: float32's step over this route's (the median round-by-round ratio; above 1: faster).
+        noise: how far the ratio's lower confidence bound lies below it (at least `NOISE_FLOOR`).
+        low, high: the ratio's confidence interval.
+    """
+
+    route: tuple
+    ratio: float
+    noise: float
+    low: float
+    high: float
+
+    @property
+    def beyond_noise(self):
+        """Faster than float32 beyond the noise (the lower bound above 1, the median above the floor)."""
+        return self.ratio > 1 + self.noise
+
+    @property
+    def settled(self):
+        """Whether the rounds tell: faster beyond the noise, or at most `NOISE_FLOOR` faster."""
+        return self.beyond_noise or self.high <= 1 + timing.NOISE_FLOOR
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What `choose` found.
+
+    Attributes:
+        route: the route picked, `(dtype, jit_compile)`.
+        reference: float32's best route, the baseline of every ratio.
+        gains: `{half dtype: Gain}` for each half dtype timed.
+        tie: the half dtypes whose comparison with float32 the rounds left
+            unsettled, so that the tie rule decided it.
+    """
+
+    route: tuple
+    reference: tuple
+    gains: dict
+    tie: tuple = ()
+
+
+def best(times, dtype, default_jit):
+    """`dtype`'s route: its other compilation only when faster than the default by more than `NOISE_FLOOR`."""
+    configs = [c for c in times if c[0] == dtype]
+    default = (dtype, default_jit) if (dtype, default_jit) in times else configs[0]
+    for other in configs:
+        if other != default and timing.paired(times[default], times[other])[0] > 1 + timing.NOISE_FLOOR:
+            return other
+    return default
+
+
+def gain(times, reference, route):
+    """`Gain` of `route` over `reference`, round by round."""
+    low, ratio, high = timing.bounds(times[reference], times[route])
+    return Gain(route, ratio, max(ratio - low, timing.NOISE_FLOOR), low, high)
+
+
+def choose(times, default_jit, min_gain, float16_margin, tie="median"):
+    """The fastest safe route from interleaved timings (pure; see the module docstring).
+
+    Args:
+        times: `{(dtype, jit_compile): [seconds per round]}` (float32 required).
+        default_jit: the compilation kept when both are within
+            `NOISE_FLOOR` of each other (Keras's default: True with a GPU,
+            False without).
+        min_gain: the least speed-up over float32 a half dtype must show.
+        float16_margin: how much faster than bfloat16 float16 must be.
+        tie: what an unsettled comparison gives: `"median"` (the half
+            dtype wins when its median is more than `NOISE_FLOOR` faster)
+            or `"float32"` (it does not win).
+
+    Returns:
+        A `Choice`.
+    """
+    if tie not in TIES:
+        raise ValueError(f"`tie` must be one of {TIES}. Received: tie={tie!r}")
+    reference = best(times, "float32", default_jit)
+    gains = {h: gain(times, reference, best(times, h, default_jit))
+             for h in ("bfloat16", "float16") if any(c[0] == h for c in times)}
+    wins, ties = {}, []
+    for half, g in gains.items():
+        if g.ratio < min_gain or g.ratio <= 1 + timing.NOISE_FLOOR:
+            continue
+        if g.beyond_noise:
+            wins[half] = g
+        elif not g.settled:
+            ties.append(half)
+            if tie == "median":
+                wins[half] = g
+    if not wins:
+        return Choice(reference, reference, gains, tuple(ties))
+    if "float16" in wins and "bfloat16" in wins:
+        ratio, noise = timing.paired(times[wins["bfloat16"].route], times[wins["float16"].route])
+        half = "float16" if ratio >= float16_margin and ratio > 1 + noise else "bfloat16"
+    else:
+        half = next(iter(wins))
+    return Choice(wins[half].route, reference, gains, tuple(ties))
+
+
+def unsettled(times, default_jit):
+    """The routes whose comparisons the rounds have not settled: they need more rounds.
+
+    A comparison is settled when one side is faster beyond the noise, or
+    when it is at most `NOISE_FLOOR` faster (the confidence interval's upper
+    bound). The comparisons are those the decision reads: each dtype's two
+    compilations, and each half dtype's best route against float32's.
+
+    Args:
+        times: as for `choose`.
+        default_jit: as for `choose`.
+
+    Returns:
+        A set of routes (empty: every comparison is settled).
+    """
+    open_ = set()
+    for dtype in {c[0] for c in times}:
+        configs = [c for c in times if c[0] == dtype]
+        if len(configs) == 2:
+            a, b = configs
+            if not (_settled(times[a], times[b]) and _settled(times[b], times[a])):
+                open_.update(configs)
+    if any(c[0] == "float32" for c in times):
+        reference = best(times, "float32", default_jit)
+        for half in ("bfloat16", "float16"):
+            if any(c[0] == half for c in times):
+                route = best(times, half, default_jit)
+                if not gain(times, reference, route).settled:
+                    open_.update((reference, route))
+    return open_
+
+
+def _settled(a, b):
+    """Whether it is settled that `b` is faster than `a` beyond the noise, or by at most `NOISE_FLOOR`."""
+    low, ratio, high = timing.bounds(a, b)
+    return ratio > 1 + max(ratio - low, timing.NOISE_FLOOR) or high <= 1 + timing.NOISE_FLOOR

@@ -1,0 +1,248 @@
+"""One keras-hub architecture in float32, under plain Keras mixed precision, and under kmix.
+
+`check(name, half)` builds `tests.hub_zoo.ZOO[name]` three times from the same
+float32 weights and compares:
+
+1. float32 (the reference): global policy `"float32"`, outputs `y32`;
+2. plain Keras: global policy `mixed_<half>` while building, outputs, error
+   against `y32`, and whether a `.keras` save -> `keras.models.load_model`
+   predicts bitwise what the model predicted;
+3. kmix: built in float32, `kmix.autocast(model, "O1-bfloat16" | "O1")`
+   (warnings kept), outputs, error, and the same reload check;
+4. with `fit=True`, two epochs of `fit` (one batch of the two rows) of the
+   kmix model with a head (the mean of the backbone's first float output,
+   in float32) under `kmix.wrap(SGD)`, against the float32 model's (plain
+   Keras's fit is recorded too).
+
+Error = max over float outputs of `max|y - y32| / max|y32|` (float64; integer
+outputs ignored; a non-finite output gives `inf`). The returned `Row` holds
+every figure and `Row.failures()` lists the criteria kmix misses.
+
+    row = check("GemmaBackbone", "bfloat16")
+    row.kmix_error, row.kmix_reload, row.fit_losses   # the figures
+    row.failures()                                    # [] when kmix meets every criterion
+
+The float32 weights are drawn after `keras.utils.set_random_seed(0)`, so a
+row's figures are the same from run to run on one machine.
+"""
+
+import os
+import tempfile
+import time
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import kmix
+from tests.hub_row import KEPT_TO_KERAS, TOLERANCE, Reload, Row, first_line  # noqa: F401  (re-exported)
+from tests.hub_zoo import ZOO
+
+STEP_SHARE = 0.25
+"""The float32 step moves the head an eighth of the way to the target (the loss falls ~23%)."""
+
+
+def _floats(outputs):
+    """The float outputs of a call, flattened, as float64 numpy arrays."""
+    flat = []
+    for tensor in keras.tree.flatten(outputs):
+        if keras.backend.is_float_dtype(keras.backend.standardize_dtype(tensor.dtype)):
+            flat.append(np.asarray(keras.ops.convert_to_numpy(keras.ops.cast(tensor, "float32")), np.float64))
+    return flat
+
+
+def _error(outputs, reference):
+    """max over outputs of max|y - y32| / max|y32|; `inf` for a non-finite output."""
+    worst = 0.0
+    for y, y32 in zip(outputs, reference, strict=True):
+        if not np.all(np.isfinite(y)):
+            return float("inf")
+        scale = max(np.max(np.abs(y32)), np.finfo(np.float32).tiny) if y32.size else 1.0
+        worst = max(worst, float(np.max(np.abs(y - y32), initial=0.0) / scale))
+    return worst
+
+
+def _reload(model, x, predicted):
+    """Saves `model` to a temporary `.keras` file, loads it under float32 and compares its outputs."""
+    previous = keras.config.dtype_policy()
+    try:
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "model.keras")
+            model.save(path)
+            keras.config.set_dtype_policy("float32")
+            reloaded = keras.models.load_model(path)
+            again = _floats(reloaded(x, training=False))
+    except Exception as error:  # noqa: BLE001  (any crash is an outcome to record)
+        return Reload("crash", message=first_line(error))
+    finally:
+        keras.config.set_dtype_policy(previous)
+    if all(np.array_equal(a, b, equal_nan=True) for a, b in zip(again, predicted, strict=True)):
+        return Reload("exact")
+    diff = max(float(np.nanmax(np.abs(a - b), initial=0.0)) for a, b in zip(again, predicted, strict=True))
+    return Reload("differs", diff=diff if np.isfinite(diff) else float("inf"))
+
+
+def _build(name, policy):
+    """`ZOO[name]()` under the global `policy`, restored afterwards, in a fresh session."""
+    previous = keras.config.dtype_policy()
+    keras.backend.clear_session(free_memory=False)
+    keras.config.set_dtype_policy(policy)
+    try:
+        return ZOO[name]()
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
+def _with_head(backbone):
+    """`keras.Model(backbone.input, mean of its first float output in float32)`."""
+    inputs = backbone.input
+    outputs = [
+        y for y in keras.tree.flatten(backbone(inputs))
+        if keras.backend.is_float_dtype(keras.backend.standardize_dtype(y.dtype))
+    ]
+    head = keras.ops.cast(outputs[0], "float32")
+    head = keras.ops.mean(head, axis=tuple(range(1, len(head.shape))))
+    return keras.Model(inputs, head)
+
+
+def _target_and_rate(model32, x, scale):
+    """A target `scale` away from float32's head, and the SGD rate moving the head 1/8 of the way.
+
+    The loss is `(head - target)^2` (plus the model's own losses), so a step
+    of `STEP_SHARE * loss / |grad|^2` moves the head about `STEP_SHARE / 2`
+    of the way: every model's loss visibly falls, whatever its gradients' scale.
+    """
+    head = keras.ops.convert_to_numpy(model32(x, training=False)).astype(np.float64)
+    target = (head + scale).astype(np.float32)
+    with tf.GradientTape() as tape:
+        prediction = model32(x, training=True)
+        loss = keras.ops.mean(keras.ops.square(prediction - target))
+        if model32.losses:
+            loss = loss + keras.ops.sum(keras.ops.stack([keras.ops.cast(v, "float32") for v in model32.losses]))
+    grads = [g for g in tape.gradient(loss, model32.trainable_variables) if g is not None]
+    norm2 = float(sum(keras.ops.convert_to_numpy(keras.ops.sum(keras.ops.square(
+        keras.ops.cast(tf.convert_to_tensor(g), "float32")))) for g in grads))
+    rate = STEP_SHARE * float(loss) / norm2 if norm2 > 0 and np.isfinite(norm2) else 1e-3
+    return target, rate
+
+
+def _fit(model, x, target, rate, policy=None):
+    """Two epochs of `fit` on the one batch; the losses. `policy`: kmix's, for compiling."""
+    model.trainable = True
+    if policy is None:
+        model.compile(optimizer=keras.optimizers.SGD(rate), loss="mse", jit_compile=False)
+    else:
+        with kmix.policy_scope(policy):
+            model.compile(optimizer=kmix.wrap(keras.optimizers.SGD(rate)), loss="mse", jit_compile=False)
+    history = model.fit(x, target, batch_size=2, epochs=2, shuffle=False, verbose=0)
+    return [float(loss) for loss in history.history["loss"]]
+
+
+def _fit_keras(backbone, x, target, rate, half):
+    """Plain Keras's two epochs: the head built under `mixed_<half>` (Keras then scales float16 losses)."""
+    previous = keras.config.dtype_policy()
+    try:
+        keras.config.set_dtype_policy(f"mixed_{half}")
+        model = _with_head(backbone)
+        return _fit(model, x, target, rate), None
+    except Exception as error:  # noqa: BLE001
+        return None, first_line(error)
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
+def check(name, half, fit=True):
+    """Compares `ZOO[name]` in float32, under plain Keras `mixed_<half>` and under kmix.
+
+    Args:
+        name: a key of `tests.hub_zoo.ZOO` (`"GemmaBackbone"`).
+        half: `"bfloat16"` or `"float16"`.
+        fit: also compare two epochs of `fit` (kmix's against float32's).
+
+    Returns:
+        A `Row`. The global dtype policy is as it was, afterwards.
+    """
+    if half not in TOLERANCE:
+        raise ValueError(f"`half` must be 'bfloat16' or 'float16'. Received: half={half!r}.")
+    entry = keras.config.dtype_policy()
+    try:
+        return _check(name, half, fit)
+    finally:
+        keras.config.set_dtype_policy(entry)
+        keras.backend.clear_session(free_memory=False)
+
+
+def _check(name, half, fit):
+    row = Row(name, half)
+    policy = "O1-bfloat16" if half == "bfloat16" else "O1"
+    started = time.perf_counter()
+
+    def lap(part):
+        nonlocal started
+        row.seconds[part] = round(time.perf_counter() - started, 2)
+        started = time.perf_counter()
+
+    try:  # 1. float32, the reference (seeded: the same weights from run to run)
+        keras.utils.set_random_seed(0)
+        model32, x = _build(name, "float32")
+        y32 = _floats(model32(x, training=False))
+        weights = model32.get_weights()
+    except Exception as error:  # noqa: BLE001
+        row.reference_crash = first_line(error)
+        return row
+    finally:
+        lap("float32")
+
+    try:  # 2. plain Keras mixed precision
+        previous = keras.config.dtype_policy()
+        try:
+            keras.backend.clear_session(free_memory=False)
+            keras.config.set_dtype_policy(f"mixed_{half}")
+            mixed, _ = ZOO[name]()
+            mixed.set_weights(weights)
+            y = _floats(mixed(x, training=False))
+        finally:
+            keras.config.set_dtype_policy(previous)
+        row.keras_error = _error(y, y32)
+        row.keras_reload = _reload(mixed, x, y)
+    except Exception as error:  # noqa: BLE001
+        row.keras_crash = first_line(error)
+    finally:
+        lap("keras")
+
+    try:  # 3. kmix
+        placed, _ = _build(name, "float32")
+        placed.set_weights(weights)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            kmix.autocast(placed, policy)
+        row.kmix_warnings = [str(w.message) for w in caught]
+        y = _floats(placed(x, training=False))
+        row.kmix_error = _error(y, y32)
+        row.kmix_reload = _reload(placed, x, y)
+    except Exception as error:  # noqa: BLE001
+        row.kmix_crash = first_line(error)
+    finally:
+        lap("kmix")
+
+    if fit and not row.kmix_crash:  # 4. two epochs of fit, against float32's
+        try:
+            head32 = _with_head(model32)
+            target, rate = _target_and_rate(head32, x, max(float(np.max(np.abs(y32[0]))), 1e-3))
+            row.fit_losses32 = _fit(head32, x, target, rate)
+        except Exception as error:  # noqa: BLE001
+            row.fit_crash = "float32 (the reference): " + first_line(error)
+        if not row.fit_crash:
+            try:
+                row.fit_losses = _fit(_with_head(placed), x, target, rate, policy)
+            except Exception as error:  # noqa: BLE001
+                row.fit_crash = first_line(error)
+            if not row.keras_crash:
+                row.keras_fit_losses, row.keras_fit_crash = _fit_keras(mixed, x, target, rate, half)
+            # The first loss is (scale - d)^2 with |d| <= error * scale: within (2t + t^2) of
+            # float32's; the second also carries the update's error (at most t of a ~23% step).
+            t = row.tolerance
+            row.fit_tolerance = (2 * t + t * t + STEP_SHARE * t) * row.fit_losses32[0]
+        lap("fit")
+    return row
