@@ -18,6 +18,7 @@ quantized layers). What still differs is reported.
 import os
 import re
 import tempfile
+import warnings
 
 import keras
 
@@ -40,7 +41,8 @@ def reloaded(model, global_policy=None):
             keras.config.set_dtype_policy(global_policy)
         config = keras.saving.serialize_keras_object(model)
         config.pop("compile_config", None)
-        with keras.saving.custom_object_scope(user_classes(model)):
+        with keras.saving.custom_object_scope(user_classes(model)), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Keras's build warnings were shown when the model was made
             # safe_mode=False: a Lambda's function is the user's own, from this process.
             return keras.saving.deserialize_keras_object(config, safe_mode=False), None
     except Exception as e:  # noqa: BLE001  any failure here is reported, never raised from autocast

@@ -84,7 +84,7 @@ def settle(model, specs, half_policy):
         if error is not None:
             return Settled(error=error)
         found = reload.differences(model, copy)
-    by_global, load_under = {}, None
+    by_global, load_under, plain = {}, None, copy
     if found and half_policy != keras.config.dtype_policy().name:
         other, error = reload.reloaded(model, half_policy)
         if error is None:
@@ -105,6 +105,8 @@ def settle(model, specs, half_policy):
     synced = _sync_graphs(model, copy) + _sync_constants(model, copy)
     if synced or adopted:
         place.reset_compiled_functions(model)
+    if by_global and not any(own_weights(row[0]) for row in by_global.values()) and _difference(model, plain, specs) == 0:
+        by_global, load_under, copy = {}, None, plain  # only weightless layers differ, and nothing they compute
     unplaced = {} if load_under else {k: (row[1], row[2], row[3]) for k, row in by_global.items()}
     difference = None if unplaced else _difference(model, copy, specs)
     return Settled(adopted, synced, difference, load_under=load_under, unplaced=unplaced)
@@ -170,11 +172,19 @@ def describe_policy(description):
 
 
 def _lost(model, settled):
-    """The adopted layers with weights of their own, placed otherwise than planned: `[(path, before, after)]`."""
-    return [
-        (path, before, after) for key, (path, before, after) in settled.adopted.items()
-        if before != after and _has_weights(model, key)
-    ]
+    """The adopted layers with weights of their own that lost float32 (compute or variables): `[(path, before, after)]`.
+
+    A block that makes a layer float32 itself (MMDiT's query norms) only adds
+    precision: that is not worth a word.
+    """
+    lost = []
+    for key, (path, before, after) in settled.adopted.items():
+        planned, got = keras.DTypePolicy(before), keras.DTypePolicy(after)
+        less = (planned.compute_dtype == "float32" and got.compute_dtype != "float32") or (
+            planned.variable_dtype == "float32" and got.variable_dtype != "float32")
+        if less and _has_weights(model, key):
+            lost.append((path, before, after))
+    return lost
 
 
 def _has_weights(model, key):
@@ -262,7 +272,8 @@ def _difference(model, copy, specs):
         return None
     x = trace.sample_inputs(specs)
     try:
-        ours = keras.tree.flatten(model(x, training=False))
+        with trace.untouched(model):
+            ours = keras.tree.flatten(model(x, training=False))
     except Exception:  # noqa: BLE001  the model cannot run on made-up inputs: nothing to compare
         return None
     try:

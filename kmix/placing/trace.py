@@ -9,6 +9,7 @@ so is the layer that returned each of the model's outputs (a subclassed
 model's graph is known no other way).
 """
 
+import contextlib
 import functools
 
 import keras
@@ -57,11 +58,47 @@ def input_specs(model, x=None):
     return None
 
 
+@contextlib.contextmanager
+def untouched(model):
+    """Puts back the tensors `model`'s layers hold as attributes, after a call on made-up inputs.
+
+    A layer may cache what it computed from its inputs (keras-hub's
+    `FlowMatchEulerDiscreteScheduler` keeps the sigmas of the number of
+    steps it was last called with); a check's call must leave no such trace,
+    symbolic or made up, in the user's model.
+    """
+    layers = [model] + [layer for _, layer, _ in walk(model)]
+    saved = [(layer, dict(vars(layer))) for layer in layers]
+    try:
+        yield
+    finally:
+        for layer, before in saved:
+            state = vars(layer)
+            for name in list(state):
+                old, new = before.get(name, _MISSING), state[name]
+                if new is old or not (_is_cache(new) or _is_cache(old)):
+                    continue
+                if old is _MISSING:
+                    del state[name]
+                else:
+                    state[name] = old
+
+
+_MISSING = object()
+
+
+def _is_cache(value):
+    """A tensor a layer holds (not a variable), or the None it starts from."""
+    return value is None or (keras.ops.is_tensor(value) and not isinstance(value, (keras.Variable, tf.Variable)))
+
+
 def trace(model, specs):
     """Builds the graph of `model(x, training=False)` for `specs`; returns a `Traced`."""
     layers = [layer for _, layer, _ in walk(model)]
     seen, producers, culprit = set(), {}, []
-    with probe.wrapped_calls(layers, lambda layer, _: _watch(layer.call, layer, seen, producers, culprit)):
+    with untouched(model), probe.wrapped_calls(
+        layers, lambda layer, _: _watch(layer.call, layer, seen, producers, culprit)
+    ):
         returned = []  # the tensors the model returns, inside the graph (tf.function adds identities after)
         try:
             tf.function(lambda x: returned.append(model(x, training=False)), autograph=False).get_concrete_function(specs)
