@@ -15,14 +15,13 @@ One pipeline, read top to bottom in `autocast`:
 """
 
 import collections
-import re
 import warnings
 
 import keras
 import numpy as np
 
 from kmix.diagnose import islands
-from kmix.placing import place, reload, settle, trace
+from kmix.placing import place, reload, repair, settle, trace
 from kmix.policy import advice
 from kmix._tree import is_graph_model, own_weights, resolved_policy, walk
 from kmix.placing.rules import Rules, saved_layers
@@ -32,7 +31,6 @@ Placement = collections.namedtuple("Placement", "layer cls before after reason")
 Placement.__doc__ = """One row of `autocast`'s table: a layer's path and class, its policy
 before and after, and the rule that placed it."""
 
-_TRIES = 8  # layers kept in float32 at most, one per symbolic call, before giving up
 
 
 class AutocastTable(list):
@@ -171,9 +169,10 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
 
     place.place(plan)
     settled = settle.settle(model, specs, rules.default.name)
-    kept = _keep_what_fails(_traceable(model, specs), plan)
-    if kept:  # what it kept in float32, a reload must keep too
-        settled = settle.settle(model, specs, rules.default.name)
+    repaired = repair.repair(model, specs, plan)
+    _warn_repaired(repaired, plan)
+    if repaired:  # what it changed, a reload must make too
+        settled = settle.settle(model, specs, rules.default.name, settled.holders)
     settle.warn(model, settled, stacklevel=3)
     place.reset_compiled_functions(model)
 
@@ -183,8 +182,10 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
         cls = old_cls.__name__
         if type(layer) is not old_cls:
             cls += f" -> kmix.layers.{type(layer).__name__}"
-        if id(layer) in kept:
-            reason = f"fails in half: {kept[id(layer)]}"
+        if id(layer) in repaired.kept:
+            reason = f"fails in half: {repaired.kept[id(layer)]}"
+        elif id(layer) in repaired.relaxed:
+            reason = f"{reason}; its block mixes it with half tensors, so as its block"
         if id(layer) in settled.adopted and settled.adopted[id(layer)][1] != resolved_policy(layer).name:
             reason += f" (planned {settled.adopted[id(layer)][1]}: its block makes it so)"
         if id(layer) in settled.unplaced:
@@ -235,62 +236,24 @@ def _plan(rules, model, specs):
     return rules.plan(model, outputs)
 
 
-def _traceable(model, specs):
-    """`[(model or nested model, input specs)]` to call symbolically: the model, else its graph parts.
-
-    A subclassed model never called on one input (keras.io's VAE, whose
-    `train_step` calls its encoder and decoder) is checked through the
-    outermost graph models inside it.
-    """
-    if specs is not None:
-        return [(model, specs)]
-    units, covered = [], set()
-    for _, layer, parent in walk(model):  # parents come before the layers inside them
-        if id(parent) in covered:
-            covered.add(id(layer))
-        elif is_graph_model(layer) and trace.input_specs(layer) is not None:
-            units.append((layer, trace.input_specs(layer)))
-            covered.add(id(layer))
-    return units
-
-
-def _keep_what_fails(units, plan):
-    """Keeps in float32 each half layer whose `call` raises in a symbolic call of the placed model.
-
-    Args:
-        units: `_traceable`'s `(model, specs)` pairs.
-        plan: the plan placed.
-
-    Returns:
-        `{id(layer): the error}` for the layers kept.
-    """
+def _warn_repaired(repaired, plan):
+    """One warning naming what the symbolic call changed: blocks kept in float32, islands relaxed."""
+    if not repaired:
+        return
     paths = {id(layer): path for path, layer, _, _ in plan}
-    kept = {}
-    for unit, specs in units:
-        for _ in range(_TRIES):
-            traced = trace.trace(unit, specs)
-            layer = traced.culprit
-            if traced.error is None or layer is None or id(layer) in kept or layer.compute_dtype == "float32":
-                break  # placed cleanly, or it fails in float32 too: not a placement's doing
-            if not _is_dtype_error(traced.error):
-                break  # the symbolic call itself fails (`range` over an unknown length): no verdict
-            kept[id(layer)] = settle.first_words(traced.error)
-            for sub in [layer] + [sub for _, sub, _ in walk(layer)]:
-                place.set_policy(sub, "float32")
-    if kept:
-        names = [paths.get(i, "?") for i in kept]
-        warnings.warn(
-            f"kmix.autocast kept {names} in float32: their `call` fails in half precision "
-            f"({next(iter(kept.values()))}). To place them yourself, pass them in `float32_layers`.",
-            stacklevel=3,
+    parts = []
+    if repaired.kept:
+        parts.append(
+            f"kept {[paths.get(i, '?') for i in repaired.kept]} in float32: their `call` fails in half "
+            f"precision ({next(iter(repaired.kept.values()))}). To place them yourself, pass them in "
+            "`float32_layers`"
         )
-    return kept
-
-
-def _is_dtype_error(error):
-    """Whether `error` is two dtypes meeting (what half precision can cause), not a shape or trace error."""
-    message = str(error).split("Arguments received by")[0]  # Keras lists the call's arguments, dtypes and all
-    return re.search(r"float16|bfloat16|half|float32|float64|dtype|DT_", message) is not None
+    if repaired.relaxed:
+        parts.append(
+            f"computes {[paths.get(i, '?') for i in repaired.relaxed]} as their blocks do, not in float32: "
+            f"the blocks combine their outputs with half tensors ({next(iter(repaired.relaxed.values()))[1]})"
+        )
+    warnings.warn("kmix.autocast " + "; it ".join(parts) + ".", stacklevel=3)
 
 
 def _explain(table, targets, given):

@@ -31,7 +31,7 @@ import numpy as np
 
 from kmix import _compat
 from kmix._tree import is_graph_model, own_weights, resolved_policy, walk
-from kmix.placing import place, reload, trace
+from kmix.placing import place, reload, repair, trace
 
 
 class Settled:
@@ -49,18 +49,20 @@ class Settled:
         load_under: the Keras global policy the model must be loaded under to
             be rebuilt as placed (layers made without `dtype=` take it), or
             None when the global policy of the moment does.
+        holders: the blocks given a policy map of the placement.
         unplaced: `{id(layer): (path, in memory, after a reload)}` for the
             layers a reload places otherwise under any one global policy.
             They are kept as placed: what Keras gives them depends on the
             global policy of the process that loads the model.
     """
 
-    def __init__(self, adopted=None, synced=0, difference=None, error=None, load_under=None, unplaced=None):
-        self.adopted, self.unplaced = adopted or {}, unplaced or {}
+    def __init__(self, adopted=None, synced=0, difference=None, error=None, load_under=None, unplaced=None,
+                 holders=()):
+        self.adopted, self.unplaced, self.holders = adopted or {}, unplaced or {}, list(holders)
         self.synced, self.difference, self.error, self.load_under = synced, difference, error, load_under
 
 
-def settle(model, specs, half_policy):
+def settle(model, specs, half_policy, holders=()):
     """Makes `model` compute what `keras.models.load_model` would rebuild from its config.
 
     Args:
@@ -75,14 +77,17 @@ def settle(model, specs, half_policy):
     Returns:
         A `Settled`.
     """
+    reload.write_maps(model, list(holders))
     copy, error = reload.reloaded(model)
     if error is not None:
-        return Settled(error=error)
+        return Settled(error=error, holders=holders)
     found = reload.differences(model, copy)
-    if found and reload.record(model, found, copy):
+    recorded = reload.record(model, found, copy) if found else []
+    holders = list({id(block): block for block in list(holders) + recorded}.values())
+    if recorded:
         copy, error = reload.reloaded(model)
         if error is not None:
-            return Settled(error=error)
+            return Settled(error=error, holders=holders)
         found = reload.differences(model, copy)
     by_global, load_under, plain = {}, None, copy
     if found and half_policy != keras.config.dtype_policy().name:
@@ -91,7 +96,7 @@ def settle(model, specs, half_policy):
             found_other = reload.differences(model, other)
             by_block = {k: row for k, row in found.items() if k in found_other and row[3] == found_other[k][3]}
             by_global = {k: row for k, row in found.items() if k not in by_block}
-            if not set(found_other) - set(by_block):
+            if by_global and not set(found_other) - set(by_block):
                 copy, load_under = other, half_policy  # loaded under it, the model is rebuilt as placed
             found = by_block
     adopted = {}
@@ -109,14 +114,14 @@ def settle(model, specs, half_policy):
         by_global, load_under, copy = {}, None, plain  # only weightless layers differ, and nothing they compute
     unplaced = {} if load_under else {k: (row[1], row[2], row[3]) for k, row in by_global.items()}
     difference = None if unplaced else _difference(model, copy, specs)
-    return Settled(adopted, synced, difference, load_under=load_under, unplaced=unplaced)
+    return Settled(adopted, synced, difference, load_under=load_under, unplaced=unplaced, holders=holders)
 
 
 def warn(model, settled, stacklevel):
     """One warning for what a reload would not rebuild as placed: which layers, and what to do."""
     if settled.error is not None:
         message = (
-            f"Keras cannot build it from its config ({first_words(settled.error)}), so `model.save` will "
+            f"Keras cannot build it from its config ({repair.first_words(settled.error)}), so `model.save` will "
             "not load back as it is. Save its weights (`model.save_weights`) and build the model in code, "
             "then autocast it again."
         )
@@ -154,13 +159,6 @@ def warn(model, settled, stacklevel):
     else:
         return
     warnings.warn(f"kmix.autocast placed model {model.name!r}, but {message}", stacklevel=stacklevel)
-
-
-def first_words(error):
-    """The error's class and first line that says something (Keras starts with "Exception encountered")."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    lines = [line for line in lines if not line.startswith("Exception encountered")] or lines or [""]
-    return f"{type(error).__name__}: {lines[0][:160]}"
 
 
 def describe_policy(description):
