@@ -39,6 +39,9 @@ import kmix
 from tests.hub_row import KEPT_TO_KERAS, TOLERANCE, Reload, Row, first_line  # noqa: F401  (re-exported)
 from tests.hub_zoo import ZOO
 
+MAX_SKIPPED = 3
+"""Steps a dynamic loss scale may skip (and halve the scale) before the two applied ones."""
+
 STEP_SHARE = 0.25
 """The float32 step moves the head an eighth of the way to the target (the loss falls ~23%)."""
 
@@ -81,6 +84,41 @@ def _reload(model, x, predicted):
         return Reload("exact")
     diff = max(float(np.nanmax(np.abs(a - b), initial=0.0)) for a, b in zip(again, predicted, strict=True))
     return Reload("differs", diff=diff if np.isfinite(diff) else float("inf"))
+
+
+def _reload_as_advised(model, x, predicted, policy, messages):
+    """The reload kmix's warning tells the user to do, or None where no warning says how.
+
+    `with kmix.policy_scope(P): keras.models.load_model(path)` where a warning
+    names `P`; `kmix.autocast(keras.models.load_model(path), policy)` where it
+    says to autocast the reloaded model again.
+    """
+    scope = next((m.split("kmix.policy_scope('")[1].split("'")[0] for m in messages
+                  if "kmix.autocast" in m and "kmix.policy_scope('" in m), None)
+    again = any("kmix.autocast" in m and "call `kmix.autocast` on it again" in m for m in messages)
+    if scope is None and not again:
+        return None
+    previous = keras.config.dtype_policy()
+    try:
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "model.keras")
+            model.save(path)
+            keras.config.set_dtype_policy("float32")
+            if scope is not None:
+                with kmix.policy_scope(scope):
+                    reloaded = keras.models.load_model(path)
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    reloaded = kmix.autocast(keras.models.load_model(path), policy)
+            again = _floats(reloaded(x, training=False))
+    except Exception as error:  # noqa: BLE001
+        return Reload("crash", message=first_line(error))
+    finally:
+        keras.config.set_dtype_policy(previous)
+    if all(np.array_equal(a, b, equal_nan=True) for a, b in zip(again, predicted, strict=True)):
+        return Reload("exact")
+    return Reload("differs", diff=max(float(np.nanmax(np.abs(a - b), initial=0.0)) for a, b in zip(again, predicted)))
 
 
 def _build(name, policy):
@@ -128,15 +166,29 @@ def _target_and_rate(model32, x, scale):
 
 
 def _fit(model, x, target, rate, policy=None):
-    """Two epochs of `fit` on the one batch; the losses. `policy`: kmix's, for compiling."""
+    """Two applied steps of `fit` on the one batch: `(losses, steps skipped)`. `policy`: kmix's.
+
+    A loss-scale optimizer skips a step whose scaled gradients overflow (and
+    halves its scale), without advancing `iterations`: the losses are those
+    seen before the first and the second applied update, skipped steps left
+    out (at most `MAX_SKIPPED` of them), as float32 applies every step.
+    """
     model.trainable = True
     if policy is None:
         model.compile(optimizer=keras.optimizers.SGD(rate), loss="mse", jit_compile=False)
     else:
         with kmix.policy_scope(policy):
             model.compile(optimizer=kmix.wrap(keras.optimizers.SGD(rate)), loss="mse", jit_compile=False)
-    history = model.fit(x, target, batch_size=2, epochs=2, shuffle=False, verbose=0)
-    return [float(loss) for loss in history.history["loss"]]
+    losses, skipped = {}, 0
+    for _ in range(2 + MAX_SKIPPED):
+        applied = int(model.optimizer.iterations)
+        history = model.fit(x, target, batch_size=2, epochs=1, shuffle=False, verbose=0)
+        losses.setdefault(applied, float(history.history["loss"][0]))
+        if int(model.optimizer.iterations) == applied:
+            skipped += 1
+        if len(losses) == 2 and 1 in losses:
+            break
+    return [losses[k] for k in sorted(losses)][:2], skipped
 
 
 def _fit_keras(backbone, x, target, rate, half):
@@ -145,7 +197,7 @@ def _fit_keras(backbone, x, target, rate, half):
     try:
         keras.config.set_dtype_policy(f"mixed_{half}")
         model = _with_head(backbone)
-        return _fit(model, x, target, rate), None
+        return _fit(model, x, target, rate)[0], None
     except Exception as error:  # noqa: BLE001
         return None, first_line(error)
     finally:
@@ -221,6 +273,8 @@ def _check(name, half, fit):
         y = _floats(placed(x, training=False))
         row.kmix_error = _error(y, y32)
         row.kmix_reload = _reload(placed, x, y)
+        if row.kmix_reload.status != "exact":
+            row.kmix_reload_advised = _reload_as_advised(placed, x, y, policy, row.kmix_warnings)
     except Exception as error:  # noqa: BLE001
         row.kmix_crash = first_line(error)
     finally:
@@ -230,12 +284,12 @@ def _check(name, half, fit):
         try:
             head32 = _with_head(model32)
             target, rate = _target_and_rate(head32, x, max(float(np.max(np.abs(y32[0]))), 1e-3))
-            row.fit_losses32 = _fit(head32, x, target, rate)
+            row.fit_losses32, _ = _fit(head32, x, target, rate)
         except Exception as error:  # noqa: BLE001
             row.fit_crash = "float32 (the reference): " + first_line(error)
         if not row.fit_crash:
             try:
-                row.fit_losses = _fit(_with_head(placed), x, target, rate, policy)
+                row.fit_losses, row.fit_skipped = _fit(_with_head(placed), x, target, rate, policy)
             except Exception as error:  # noqa: BLE001
                 row.fit_crash = first_line(error)
             if not row.keras_crash:
