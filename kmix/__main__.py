@@ -11,6 +11,7 @@ BENCHES = {
     "overhead": "kmix.benchmarks.overhead",
     "predict": "kmix.benchmarks.predict",
     "profile": "kmix.benchmarks.profile",
+    "recommend": "kmix.benchmarks.recommend",
     "softmax": "kmix.benchmarks.softmax",
     "train": "kmix.benchmarks.train",
 }

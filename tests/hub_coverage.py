@@ -121,6 +121,18 @@ def _reload_as_advised(model, x, predicted, policy, messages):
     return Reload("differs", diff=max(float(np.nanmax(np.abs(a - b), initial=0.0)) for a, b in zip(again, predicted)))
 
 
+def _distinct(caught):
+    """The distinct messages of recorded warnings, in order; a category other than UserWarning named."""
+    messages = []
+    for warning in caught:
+        message = str(warning.message)
+        if warning.category is not UserWarning:
+            message = f"{warning.category.__name__}: {message}"
+        if message not in messages:
+            messages.append(message)
+    return messages
+
+
 def _build(name, policy):
     """`ZOO[name]()` under the global `policy`, restored afterwards, in a fresh session."""
     previous = keras.config.dtype_policy()
@@ -144,21 +156,36 @@ def _with_head(backbone):
     return keras.Model(inputs, head)
 
 
+def _training_loss(model, x, target):
+    """`mean((model(x, training=True) - target)^2)` plus the model's own losses (a router's)."""
+    loss = keras.ops.mean(keras.ops.square(model(x, training=True) - target))
+    if model.losses:
+        loss = loss + keras.ops.sum(keras.ops.stack([keras.ops.cast(v, "float32") for v in model.losses]))
+    return loss
+
+
 def _target_and_rate(model32, x, scale):
     """A target `scale` away from float32's head, and the SGD rate moving the head 1/8 of the way.
 
     The loss is `(head - target)^2` (plus the model's own losses), so a step
     of `STEP_SHARE * loss / |grad|^2` moves the head about `STEP_SHARE / 2`
     of the way: every model's loss visibly falls, whatever its gradients' scale.
+
+    Raises:
+        ValueError: where two calls in training give two losses (dropout):
+            no other run could then be compared with this one.
     """
     head = keras.ops.convert_to_numpy(model32(x, training=False)).astype(np.float64)
     target = (head + scale).astype(np.float32)
     with tf.GradientTape() as tape:
-        prediction = model32(x, training=True)
-        loss = keras.ops.mean(keras.ops.square(prediction - target))
-        if model32.losses:
-            loss = loss + keras.ops.sum(keras.ops.stack([keras.ops.cast(v, "float32") for v in model32.losses]))
+        loss = _training_loss(model32, x, target)
     grads = [g for g in tape.gradient(loss, model32.trainable_variables) if g is not None]
+    again = _training_loss(model32, x, target)
+    if float(again) != float(loss):
+        raise ValueError(
+            f"the model trains at random: two calls in training give the losses {float(loss):.6g} and "
+            f"{float(again):.6g}; build it without dropout (dropout=0) so that runs compare"
+        )
     norm2 = float(sum(keras.ops.convert_to_numpy(keras.ops.sum(keras.ops.square(
         keras.ops.cast(tf.convert_to_tensor(g), "float32")))) for g in grads))
     rate = STEP_SHARE * float(loss) / norm2 if norm2 > 0 and np.isfinite(norm2) else 1e-3
@@ -268,8 +295,11 @@ def _check(name, half, fit):
         placed.set_weights(weights)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            kmix.autocast(placed, policy)
-        row.kmix_warnings = [str(w.message) for w in caught]
+            try:
+                _, placements = kmix.autocast(placed, policy, return_table=True)
+            finally:
+                row.kmix_warnings = _distinct(caught)
+        row.kmix_layers = (sum("16" in placement.after for placement in placements), len(placements))
         y = _floats(placed(x, training=False))
         row.kmix_error = _error(y, y32)
         row.kmix_reload = _reload(placed, x, y)
@@ -286,8 +316,8 @@ def _check(name, half, fit):
             target, rate = _target_and_rate(head32, x, max(float(np.max(np.abs(y32[0]))), 1e-3))
             row.fit_losses32, _ = _fit(head32, x, target, rate)
         except Exception as error:  # noqa: BLE001
-            row.fit_crash = "float32 (the reference): " + first_line(error)
-        if not row.fit_crash:
+            row.fit_reference = first_line(error)
+        if not row.fit_reference:
             try:
                 row.fit_losses, row.fit_skipped = _fit(_with_head(placed), x, target, rate, policy)
             except Exception as error:  # noqa: BLE001

@@ -19,6 +19,7 @@ kmix misses:
 """
 
 import dataclasses
+import re
 
 import numpy as np
 
@@ -30,9 +31,25 @@ KEPT_TO_KERAS = 1.5
 
 
 def first_line(error):
-    """`"TypeError: first non-empty line of the message"`, at most 300 characters."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+    """`"TypeError: first line of the message (in Block.call())"`, at most 300 characters.
+
+    Keras's "Exception encountered when calling Block.call()" wrapper lines
+    give their place at the end; TensorFlow's `{{function_node ...}}`
+    prefix and terminal colour codes are left out.
+    """
+    lines = [_ANSI.sub("", line).strip() for line in str(error).splitlines()]
+    where = ""
+    for line in filter(None, lines):
+        if line.startswith(_WRAPPER):
+            where = f" (in {line[len(_WRAPPER):].rstrip('.')})"
+            continue
+        return f"{type(error).__name__}: {_NODE.sub('', line)}{where}"[:300]
+    return f"{type(error).__name__}:{where}"
+
+
+_WRAPPER = "Exception encountered when calling "
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_NODE = re.compile(r"^\{\{function_node [^}]*\}\}\s*")
 
 
 @dataclasses.dataclass
@@ -63,7 +80,11 @@ class Row:
     relative to float32 (`None` where nothing ran); `fit_losses32`,
     `fit_losses` and `keras_fit_losses` the two epochs' losses of float32,
     kmix and plain Keras (for the record: plain Keras's fit is no criterion);
-    `seconds` the time of each part.
+    `fit_reference` why float32's fit gives no reference (it crashes, or
+    trains at random: dropout);
+    `kmix_layers` is `(layers placed in half, layers)` from autocast's table
+    (for the record: a model kept whole in float32 meets the criteria with
+    no speed to gain); `seconds` the time of each part.
     """
 
     name: str
@@ -77,10 +98,12 @@ class Row:
     kmix_reload: Reload = None
     kmix_reload_advised: Reload = None
     kmix_warnings: list = dataclasses.field(default_factory=list)
+    kmix_layers: tuple = None
     fit_losses32: list = None
     fit_losses: list = None
     fit_crash: str = None
     fit_skipped: int = 0
+    fit_reference: str = None
     keras_fit_losses: list = None
     keras_fit_crash: str = None
     fit_tolerance: float = None
@@ -97,7 +120,7 @@ class Row:
 
         The criteria: `crash` (kmix crashes; a crash where plain Keras crashes
         too is said so), `finite`, `error`, `reload`, `fit`; `reference` when
-        the float32 model itself fails (the builder's fault).
+        the float32 model itself fails or trains at random (the builder's fault).
         """
         if self.reference_crash:
             return [f"reference: the float32 model crashes: {self.reference_crash}"]
@@ -113,7 +136,9 @@ class Row:
         if self.kmix_reload.status != "exact" and not self.reload_as_advised():
             failed.append(f"reload: {self.kmix_reload}" + (
                 f" (as kmix advises: {self.kmix_reload_advised})" if self.kmix_reload_advised else ""))
-        if self.fit_crash:
+        if self.fit_reference:
+            failed.append(f"reference: fit: {self.fit_reference}")
+        elif self.fit_crash:
             failed.append(f"fit: crashes: {self.fit_crash}")
         elif self.fit_losses is not None:
             if len(self.fit_losses) < 2:

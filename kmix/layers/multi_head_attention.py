@@ -12,7 +12,8 @@ explicit path around `kmix.ops.masked_softmax`, through the protected
 import keras
 from keras import ops
 
-from kmix.ops.softmax import _masked_softmax, check_broadcastable, keep_from_mask
+from kmix.ops.arguments import check_broadcastable, keep_from_mask
+from kmix.ops.softmax import _masked_softmax
 
 _NAMES = {"mask": "attention_mask", "bias": "attention_bias"}
 

@@ -101,7 +101,8 @@ def paired(a, b):
     return middle, max(middle - low, NOISE_FLOOR)
 
 
-def run_rounds(calls, steps, budget_s, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS, more=None, report=None):
+def run_rounds(calls, steps, budget_s, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS, more=None, report=None,
+               clock=time.perf_counter):
     """Times `calls` in interleaved rounds; returns `{key: [seconds per step, one per round]}`.
 
     Args:
@@ -116,18 +117,19 @@ def run_rounds(calls, steps, budget_s, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROU
             `min_rounds` on: the keys that still need rounds (the others are
             timed no more; none: done). Without it every key goes on.
         report: optional `fn(round_number)` called after each round.
+        clock: seconds now (`time.perf_counter`; a simulation passes its own).
     """
     rounds = {key: [] for key in calls}
     live = list(calls)
-    start = time.perf_counter()
+    start = clock()
     r = 0
-    while live and r < max_rounds and (r < min_rounds or time.perf_counter() - start < budget_s):
+    while live and r < max_rounds and (r < min_rounds or clock() - start < budget_s):
         shift = r % len(live)
         for key in live[shift:] + live[:shift]:
-            begin = time.perf_counter()
+            begin = clock()
             for _ in range(steps[key]):
                 calls[key]()
-            rounds[key].append((time.perf_counter() - begin) / steps[key])
+            rounds[key].append((clock() - begin) / steps[key])
         r += 1
         if report is not None:
             report(r)

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import kmix
-from kmix.benchmarks import routes, train
+from kmix.benchmarks import gpt, routes, train, train_rounds, train_table
 
 
 def _rec(policy="mixed_bfloat16", jit=False):
@@ -39,12 +39,12 @@ def test_configurations_in_table_order():
 @pytest.mark.parametrize("stack", ["keras", "kmix"])
 def test_model_flops_per_token_against_a_hand_count(stack):
     layers, d, heads, seq, vocab = 2, 16, 2, 8, 40
-    model = train.build_model(layers, d, heads, seq, vocab, stack)
+    model = gpt.build_model(layers, d, heads, seq, vocab, stack)
     # Per block: 2 LayerNorms (4d), Q/K/V/output projections with biases
     # (4d^2 + 4d), MLP d -> 4d -> d (8d^2 + 5d); then the final LayerNorm and the head.
     n = layers * (12 * d * d + 13 * d) + 2 * d + d * vocab + vocab
     assert sum(int(w.numpy().size) for w in model.trainable_weights) == n + vocab * d + seq * d
-    assert train.model_flops_per_token(model, layers, d, seq) == 6 * n + 12 * layers * d * seq
+    assert gpt.model_flops_per_token(model, layers, d, seq) == 6 * n + 12 * layers * d * seq
 
 
 @pytest.mark.parametrize(
@@ -63,8 +63,8 @@ def test_largest_batch_doubles_then_bisects(monkeypatch, threshold, start, limit
         tried.append(batch)
         return batch <= threshold
 
-    monkeypatch.setattr(train, "fits", fake_fits)
-    batch, capped = train.largest_batch("mixed_bfloat16", "kmix", {}, start, limit)
+    monkeypatch.setattr(train_rounds, "fits", fake_fits)
+    batch, capped = train_rounds.largest_batch("mixed_bfloat16", "kmix", {}, start, limit)
     if expected is not None and capped:
         assert (batch, capped) == expected
         return
@@ -80,7 +80,7 @@ def test_format_rows_ratios_against_the_float32_keras_row():
         return {"policy": policy, "stack": stack, "jit_compile": jit, "step_seconds": seconds,
                 "tokens_per_second": 100 / seconds, "tflops": tflops, "peak_bytes": peak, "loss": 1.0}
 
-    rows = train.format_rows([
+    rows = train_table.format_rows([
         result("float32", "keras", False, 0.4, 2**31),
         result("mixed_bfloat16", "kmix", False, 0.1, 2**30),
         result("float32", "keras", True, 0.2, 2**31),
@@ -144,29 +144,29 @@ def test_speedup_is_round_by_round_within_a_phase():
 
     # The machine slowed down in the last rounds for both: the ratio holds at 2.
     base, row = result([2.0, 2.0, 6.0, 6.0, 6.0], 0), result([1.0, 1.0, 3.0, 3.0, 3.0], 0)
-    assert train.speedup(base, row) == pytest.approx(2.0)
+    assert train_table.speedup(base, row) == pytest.approx(2.0)
     # Rows timed apart (the rewrite's phase, or each alone): the ratio of the medians.
-    assert train.speedup(base, result([1.0, 1.0, 3.0, 3.0, 3.0], 1)) == pytest.approx(6.0 / 3.0)
-    assert train.speedup(result([2.0] * 3, None), result([1.0, 4.0, 4.0], None)) == pytest.approx(0.5)
+    assert train_table.speedup(base, result([1.0, 1.0, 3.0, 3.0, 3.0], 1)) == pytest.approx(6.0 / 3.0)
+    assert train_table.speedup(result([2.0] * 3, None), result([1.0, 4.0, 4.0], None)) == pytest.approx(0.5)
 
 
 def test_summary_line_against_keras_and_the_fastest_row():
     def result(policy, stack, jit, seconds):
         return {"policy": policy, "stack": stack, "jit_compile": jit, "step_seconds": seconds}
 
-    line = train.summary_line([result("float32", "keras", False, 0.4), result("mixed_bfloat16", "kmix", False, 0.2),
+    line = train_table.summary_line([result("float32", "keras", False, 0.4), result("mixed_bfloat16", "kmix", False, 0.2),
                                result("mixed_bfloat16", "recommend(model)", False, 0.25)])
     assert line == ("kmix.recommend(model) chose mixed_bfloat16, tf.function: 1.60x Keras's default float32 "
                     "compile, 0.80x the fastest row (mixed_bfloat16, kmix, tf.function) in this table.")
-    assert train.summary_line([result("float32", "keras", False, 0.4)]) == ""
+    assert train_table.summary_line([result("float32", "keras", False, 0.4)]) == ""
 
 
 def test_measure_alone_and_interleaved_give_the_same_figures_shape():
     size = {"layers": 1, "d_model": 16, "heads": 2, "seq": 8, "batch": 2, "vocab": 32}
     config = ("float32", "keras", False)
-    alone = train.measure(config, size, steps=2, rounds=2)
+    alone = train_rounds.measure(config, size, steps=2, rounds=2)
     size["image"], size["classes"] = 32, 10
-    together = train.measure_all([config, ("mixed_bfloat16", "kmix", False)], size, 2, 2, interleave=True)
+    together = train_rounds.measure_all([config, ("mixed_bfloat16", "kmix", False)], size, 2, 2, interleave=True)
     assert [r["policy"] for r in together] == ["float32", "mixed_bfloat16"]
     for r in [alone, *together]:
         assert set(r) == {"policy", "stack", "jit_compile", "step_seconds", "tokens_per_second",
@@ -182,3 +182,34 @@ def test_measure_alone_and_interleaved_give_the_same_figures_shape():
         assert alone["peak_bytes"] is None
     else:
         assert alone["peak_bytes"] > 0
+
+
+def test_plot_states_the_result_and_writes_the_ratio_on_each_bar(tmp_path):
+    def result(policy, stack, jit, seconds, peak=None):
+        return {"policy": policy, "stack": stack, "jit_compile": jit, "step_seconds": seconds,
+                "tokens_per_second": 100 / seconds, "peak_bytes": peak, "rounds": (seconds,) * 3, "phase": None}
+
+    results = [result("float32", "keras", False, 0.4), result("mixed_bfloat16", "keras", False, 0.25),
+               result("float32", "kmix", True, 0.32), result("O1-bfloat16", "recommend(model)", False, 0.2)]
+    # The title: the recommended route against Keras's float32 default, and against the fastest row.
+    assert train_table.headline(results) == ("kmix.recommend(model) picks O1-bfloat16, tf.function: 2.00x the "
+                                             "speed of Keras's default float32")
+    fig = train_table.figure(results, subtitle="a GPT; on a CPU")
+    ax = fig.axes[0]
+    # Every bar is labelled in full and carries its ratio, 0.4 s over its step time.
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == ["float32, keras, tf.function", "mixed_bfloat16, keras, tf.function", "float32, kmix, XLA",
+                      "O1-bfloat16, recommend(model), tf.function"]
+    on_bars = sorted(t.get_text().strip() for t in ax.texts)
+    assert on_bars == sorted(["1.00x (baseline)", "1.60x", "1.25x", "2.00x"])
+    assert [round(p.get_width(), 6) for p in ax.patches] == [1.0, 1.6, 1.25, 2.0]
+    assert fig._suptitle.get_text() == train_table.headline(results)
+    path = train_table.plot(results, str(tmp_path / "speed.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # Without a recommend(model) row, the probe's pick; without any, the fastest row.
+    probe_row = results[:3] + [result("O1-bfloat16", "recommended", False, 0.32)]
+    assert train_table.headline(probe_row) == ("kmix.recommend() picks O1-bfloat16, tf.function: 1.25x the speed of "
+                                               "Keras's default float32 (0.78x the fastest route)")
+    assert train_table.headline(results[:3]) == ("The fastest route: mixed_bfloat16, keras, tf.function: 1.60x the "
+                                                 "speed of Keras's default float32")

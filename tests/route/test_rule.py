@@ -1,9 +1,13 @@
-"""`kmix.route.rule`: the tie rule, the comparisons left unsettled, and the issue's loaded machine replayed."""
+"""`kmix.route.rule`: the tie rule, the comparisons left unsettled, and the issue's loaded machine simulated.
 
-import numpy as np
+The simulation (`kmix.benchmarks.recommend.simulate`) runs recommend's rounds on a simulated clock,
+each step its true time times log-normal noise: the decision's steadiness without a loaded machine.
+"""
+
 import pytest
 
-from kmix.route import rule, timing, trials
+from kmix.benchmarks.recommend import simulate
+from kmix.route import rule, trials
 from kmix.route.recommendation import decide_routes
 
 CPU = {"model": "AMD EPYC", "source": "/proc/cpuinfo", "avx512_bf16": True, "amx_bf16": False,
@@ -64,30 +68,6 @@ def test_unsettled_names_the_comparisons_more_rounds_could_change():
     assert rule.unsettled(level, False) == set()
 
 
-def _loaded_trial(seed, budget_s, true_ms, sigma):
-    """`kmix.recommend`'s rounds on a fake clock: each step costs its true time times log-normal load noise."""
-    rng = np.random.default_rng(seed)
-    now = [0.0]
-    routes = list(true_ms)
-
-    def step(route):
-        def call():
-            now[0] += true_ms[route] * 1e-3 * float(np.exp(rng.normal(0.0, sigma)))
-        return call
-
-    clock = timing.time.perf_counter
-    timing.time.perf_counter = lambda: now[0]
-    try:
-        def more(rounds):
-            return rule.unsettled(rounds, False)
-
-        rounds = timing.run_rounds({r: step(r) for r in routes}, {r: 1 for r in routes}, budget_s,
-                                   min_rounds=trials.MIN_ROUNDS, max_rounds=trials.MAX_ROUNDS, more=more)
-    finally:
-        timing.time.perf_counter = clock
-    return rounds
-
-
 def test_the_issues_loaded_encoder_is_steady_run_after_run():
     """The issue's table (O1-bfloat16 166 ms, float32 378 ms) under 34% noise: bfloat16, every run.
 
@@ -98,7 +78,7 @@ def test_the_issues_loaded_encoder_is_steady_run_after_run():
                ("bfloat16", False): 166.0, ("bfloat16", True): 400.0}
     fastest = min(true_ms.values())
     for seed in range(20):
-        rounds = _loaded_trial(seed, budget_s=8.0, true_ms=true_ms, sigma=0.34)
+        rounds = simulate(true_ms, 0.34, seed)
         assert min(len(v) for v in rounds.values()) >= trials.MIN_ROUNDS
         route = rule.choose(rounds, False, 1.0, 1.0).route
         assert true_ms[route] <= 1.05 * fastest, (seed, route)
@@ -114,7 +94,7 @@ def test_the_float32_tie_rule_is_what_failed_in_the_issue():
                ("bfloat16", False): 166.0, ("bfloat16", True): 400.0}
     picks = {tie: [] for tie in rule.TIES}
     for seed in range(40):
-        rounds = _loaded_trial(seed, budget_s=8.0, true_ms=true_ms, sigma=0.34)
+        rounds = simulate(true_ms, 0.34, seed)
         for tie in rule.TIES:
             picks[tie].append(rule.choose(rounds, False, 1.0, 1.0, tie=tie).route)
     assert set(picks["median"]) == {("bfloat16", False)}
@@ -122,5 +102,5 @@ def test_the_float32_tie_rule_is_what_failed_in_the_issue():
     level = {("float32", False): 100.0, ("float32", True): 130.0, ("bfloat16", False): 100.0,
              ("bfloat16", True): 140.0}
     for seed in range(10):
-        rounds = _loaded_trial(seed, budget_s=8.0, true_ms=level, sigma=0.34)
+        rounds = simulate(level, 0.34, seed)
         assert {rule.choose(rounds, False, 1.0, 1.0, tie=tie).route[1] for tie in rule.TIES} == {False}

@@ -60,10 +60,9 @@ def test_more_rounds_narrow_the_bound_where_a_quartile_would_not():
     assert high == pytest.approx(sorted(ratios)[-timing.bound_rank(30)])
 
 
-def _fake_clock(monkeypatch, costs):
-    """Calls that each advance a fake clock by their cost; returns `(calls, order)`."""
+def _fake_clock(costs):
+    """Calls that each advance a fake clock by their cost; returns `(calls, order, now, clock)`."""
     now, order = [0.0], []
-    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
 
     def timed(key):
         def call():
@@ -71,19 +70,20 @@ def _fake_clock(monkeypatch, costs):
             now[0] += costs[key]
         return call
 
-    return {key: timed(key) for key in costs}, order, now
+    return {key: timed(key) for key in costs}, order, now, lambda: now[0]
 
 
-def test_rounds_interleave_rotate_and_keep_only_what_more_asks_for(monkeypatch):
+def test_rounds_interleave_rotate_and_keep_only_what_more_asks_for():
     costs = {"a": 1.0, "b": 1.1, "slow": 3.0}
-    calls, order, now = _fake_clock(monkeypatch, costs)
+    calls, order, now, clock = _fake_clock(costs)
     asked = []
 
     def more(rounds):
         asked.append({key: len(v) for key, v in rounds.items()})
         return ["a", "b"]  # "slow" is settled
 
-    rounds = timing.run_rounds(calls, {"a": 2, "b": 1, "slow": 1}, budget_s=40.0, min_rounds=3, more=more)
+    rounds = timing.run_rounds(calls, {"a": 2, "b": 1, "slow": 1}, budget_s=40.0, min_rounds=3, more=more,
+                               clock=clock)
     # Seconds per step, whatever the steps per round.
     for key, cost in costs.items():
         assert rounds[key] == pytest.approx([cost] * len(rounds[key]))
@@ -95,12 +95,12 @@ def test_rounds_interleave_rotate_and_keep_only_what_more_asks_for(monkeypatch):
     assert now[0] >= 40.0 or len(rounds["a"]) == timing.MAX_ROUNDS
 
 
-def test_the_minimum_is_kept_past_the_budget_and_settled_rounds_stop(monkeypatch):
-    calls, _, now = _fake_clock(monkeypatch, {"x": 1.0, "y": 1.0})
-    rounds = timing.run_rounds(calls, {"x": 1, "y": 1}, budget_s=0.0, min_rounds=4)
+def test_the_minimum_is_kept_past_the_budget_and_settled_rounds_stop():
+    calls, _, now, clock = _fake_clock({"x": 1.0, "y": 1.0})
+    rounds = timing.run_rounds(calls, {"x": 1, "y": 1}, budget_s=0.0, min_rounds=4, clock=clock)
     assert [len(v) for v in rounds.values()] == [4, 4]  # a budget spent before the rounds began
-    rounds = timing.run_rounds(calls, {"x": 1, "y": 1}, budget_s=1e9, max_rounds=6)
+    rounds = timing.run_rounds(calls, {"x": 1, "y": 1}, budget_s=1e9, max_rounds=6, clock=clock)
     assert [len(v) for v in rounds.values()] == [6, 6]
     start = now[0]
-    rounds = timing.run_rounds(calls, {"x": 1, "y": 1}, budget_s=1e9, min_rounds=5, more=lambda r: [])
+    rounds = timing.run_rounds(calls, {"x": 1, "y": 1}, budget_s=1e9, min_rounds=5, more=lambda r: [], clock=clock)
     assert [len(v) for v in rounds.values()] == [5, 5] and now[0] - start == 10.0  # settled: stops at once

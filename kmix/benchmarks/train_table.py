@@ -1,0 +1,168 @@
+"""`bench train`'s results shown: the table's rows with their ratios, the summary line, and the plot.
+
+Every ratio is against Keras's default float32 compile (the first
+`float32` / `keras` row): its step time over the row's, round by round where
+the two ran in the same interleaved rounds. The plot draws each route's
+speed as that ratio, written on its bar, under a title that states the
+result: the recommended route's speed against Keras's float32 default.
+"""
+
+from kmix.route import timing
+
+
+def format_rows(results):
+    """Table rows, with each row's ratios against the baseline: float32 Keras, default compile.
+
+    The baseline is the first `float32` / `keras` row (the default compile
+    comes first); ratios are its step time (or peak memory) over this row's.
+    """
+    base = _baseline(results)
+    rows = []
+    for r in results:
+        speed = speedup(base, r) if base else "n/a"
+        if base and r["peak_bytes"] is not None and base["peak_bytes"]:
+            mem_ratio = r["peak_bytes"] / base["peak_bytes"]
+        else:
+            mem_ratio = "n/a"
+        rows.append([
+            r["policy"],
+            r["stack"],
+            "XLA" if r["jit_compile"] else "tf.function",
+            r["step_seconds"] * 1e3,
+            round(r["tokens_per_second"]),
+            "n/a" if r["tflops"] is None else r["tflops"],
+            _bytes(r["peak_bytes"]),
+            speed,
+            mem_ratio,
+        ])
+    return rows
+
+
+def speedup(base, row):
+    """`base`'s step time over `row`'s: round by round (the median ratio) where they ran in the same
+    interleaved rounds, else the ratio of their median rounds."""
+    if base.get("phase") is not None and base.get("phase") == row.get("phase"):
+        return timing.paired(base["rounds"], row["rounds"])[0]
+    return base["step_seconds"] / row["step_seconds"]
+
+
+def summary_line(results):
+    """The `recommend(model)` row against Keras's default float32 compile and the fastest row."""
+    row = next((r for r in results if r["stack"] == "recommend(model)"), None)
+    base = _baseline(results)
+    if row is None:
+        return ""
+    fastest = min(results, key=lambda r: r["step_seconds"])
+    against_base = f"{speedup(base, row):.2f}x Keras's default float32 compile, " if base else ""
+    return (f"kmix.recommend(model) chose {row['policy']}, {'XLA' if row['jit_compile'] else 'tf.function'}: "
+            f"{against_base}{speedup(fastest, row):.2f}x the fastest row "
+            f"({row_label(fastest)}) in this table.")
+
+
+def _bytes(n):
+    if n is None:
+        return "n/a"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def headline(results):
+    """The plot's title: the recommended route's speed against Keras's float32 default, in one line.
+
+    The route `kmix.recommend(model, ...)` picked where that row exists,
+    else the `recommended` row (the probe's pick); without either, the
+    fastest row.
+    """
+    base = _baseline(results)
+    fastest = min(results, key=lambda r: r["step_seconds"])
+    row = next((r for r in results if r["stack"] == "recommend(model)"), None)
+    row = row or next((r for r in results if r["stack"] == "recommended"), None)
+    if row is None:
+        name = f"The fastest route: {row_label(fastest)}"
+        row = fastest
+    else:
+        who = "kmix.recommend(model)" if row["stack"] == "recommend(model)" else "kmix.recommend()"
+        name = f"{who} picks {row['policy']}, {_compiled(row)}"
+    if base is None:
+        return f"{name}: {row['tokens_per_second']:,.0f} items/s"
+    versus = "" if row is fastest else f" ({speedup(fastest, row):.2f}x the fastest route)"
+    return f"{name}: {speedup(base, row):.2f}x the speed of Keras's default float32{versus}"
+
+
+def row_label(row):
+    """`"mixed_bfloat16, kmix, XLA"`: a row's policy, stack and compilation."""
+    return f"{row['policy']}, {row['stack']}, {_compiled(row)}"
+
+
+def plot(results, path, subtitle=""):
+    """Saves `figure(results, subtitle)` as a PNG at `path`; returns `path`."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(results, subtitle)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def figure(results, subtitle=""):
+    """Each route's speed (and peak memory where known) as a matplotlib figure.
+
+    Horizontal bars, one per route and labelled `policy, stack, compilation`
+    in full; each bar's length is the route's speed against Keras's default
+    float32 compile, written at its end; the baseline is grey and the
+    recommended routes are outlined. The title is `headline(results)`;
+    `subtitle` (the model, the device) goes under it.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    base = _baseline(results)
+    labels = [row_label(r) for r in results]
+    ratios = [speedup(base, r) if base else r["tokens_per_second"] for r in results]
+    has_memory = all(r["peak_bytes"] is not None for r in results)
+    height = 2.2 + 0.4 * len(results)
+    fig, axes = plt.subplots(1, 2 if has_memory else 1, figsize=(15 if has_memory else 10, height),
+                             squeeze=False, sharey=True, layout="constrained")
+    colors = {"float32": "tab:blue", "mixed_float16": "tab:orange", "mixed_bfloat16": "tab:green",
+              "O1-bfloat16": "tab:green", "O1-float16": "tab:orange"}
+    color = ["0.6" if r is base else colors.get(r["policy"], "tab:purple") for r in results]
+    edges = ["black" if r["stack"] in ("recommended", "recommend(model)") else "none" for r in results]
+    y = list(range(len(results)))[::-1]  # the table's first row on top
+    ax = axes[0, 0]
+    ax.barh(y, ratios, color=color, edgecolor=edges, linewidth=2)
+    for yi, ratio, r in zip(y, ratios, results):
+        text = f"{ratio:.2f}x" + (" (baseline)" if r is base else "") if base else f"{ratio:,.0f}"
+        ax.text(ratio, yi, " " + text, va="center", fontsize=9)
+    if base:
+        ax.axvline(1.0, color="0.3", linestyle="--", linewidth=1)
+        ax.set_xlabel("speed x Keras's default float32 compile (its step time / this route's)")
+    else:
+        ax.set_xlabel("items / s")
+    ax.set_xlim(0, max(ratios) * 1.22)
+    ax.set_yticks(y, labels, fontsize=9)
+    shown = [("0.6", "none", "Keras's default float32 (baseline)"), ("tab:blue", "none", "float32"),
+             ("tab:green", "none", "bfloat16"), ("tab:orange", "none", "float16"),
+             ("white", "black", "picked by kmix.recommend")]
+    fig.legend(handles=[Patch(facecolor=c, edgecolor=e, linewidth=2, label=t) for c, e, t in shown],
+               loc="outside lower center", ncol=5, fontsize=8, frameon=False)
+    if subtitle:
+        ax.set_title(subtitle, loc="left", fontsize=9, color="0.25")
+    if has_memory:
+        peak = [r["peak_bytes"] / 2**30 for r in results]
+        axes[0, 1].barh(y, peak, color=color, edgecolor=edges, linewidth=2)
+        for yi, gib in zip(y, peak):
+            axes[0, 1].text(gib, yi, f" {gib:.2f} GiB", va="center", fontsize=9)
+        axes[0, 1].set_xlim(0, max(peak) * 1.25)
+        axes[0, 1].set(title="peak device memory", xlabel="GiB")
+    fig.suptitle(headline(results), fontsize=12, fontweight="bold")
+    return fig
+
+
+def _baseline(results):
+    return next((r for r in results if r["policy"] == "float32" and r["stack"] == "keras"), None)
+
+
+def _compiled(row):
+    return "XLA" if row["jit_compile"] else "tf.function"
