@@ -23,7 +23,7 @@ from kmix._tree import is_graph_model, resolved_policy, walk
 from kmix.placing import place, trace
 
 TRIES = 8  # placements changed at most, one per symbolic call, before giving up
-_RULE_ISLANDS = ("normalization", "router")  # the reasons of float32 islands the rules make
+_RULE_ISLANDS = ("normalization", "router", "sinusoidal")  # the reasons of float32 islands the rules make
 
 
 class Repaired:

@@ -157,6 +157,8 @@ class Rules:
                 # Inside, a block adds and multiplies raw tensors, which must share one dtype.
                 return half, "model output, but a block: keeps its dtype"
             return "float32", "model output"
+        if re.search(r"Timestep|Sinusoid", type(layer).__name__):
+            return "float32", "sinusoidal embedding: sin/cos of large arguments, 3 digits in half"
         if in_block and is_router(layer, parent):
             return "float32", "router of a mixture of experts: its softmax and top-k choose the experts"
         if _is_normalization(layer):

@@ -99,6 +99,8 @@ def settle(model, specs, half_policy, holders=()):
             if by_global and not set(found_other) - set(by_block):
                 copy, load_under = other, half_policy  # loaded under it, the model is rebuilt as placed
             found = by_block
+        else:  # Keras cannot build it under the half policy: which layers the global decides is unknown
+            by_global, found = found, {}
     adopted = {}
     for key, (layer, path, _, _, twin) in found.items():
         if twin is None or type(twin) is not type(layer):
