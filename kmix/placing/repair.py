@@ -48,7 +48,7 @@ def repair(model, specs, plan):
     Args:
         model: the placed model.
         specs: `trace.input_specs(model)`, or None (its graph parts are called).
-        plan: the plan placed (`(path, layer, policy, reason)` rows).
+        plan: the `rules.Plan` placed.
 
     Returns:
         A `Repaired`.
@@ -65,7 +65,7 @@ def repair(model, specs, plan):
                 break  # it fails in float32 too, or not for a dtype: not a placement's doing
             error = first_words(traced.error)
             islands = [
-                sub for _, sub, _ in walk(block)
+                sub for sub in plan.subtree(block)
                 if id(sub) not in repaired.relaxed and sub.compute_dtype == "float32"
                 and reasons.get(id(sub), (None, ""))[0] == "float32"
                 and reasons[id(sub)][1].startswith(_RULE_ISLANDS)
@@ -76,7 +76,7 @@ def repair(model, specs, plan):
                     repaired.relaxed[id(island)] = (id(block), error)
                 continue
             repaired.kept[id(block)] = error
-            for sub in [block] + [sub for _, sub, _ in walk(block)]:
+            for sub in [block] + plan.subtree(block):
                 place.set_policy(sub, "float32")
     return repaired
 

@@ -124,7 +124,7 @@ class Rules:
         named = _subtree_ids([layer for path, layer, _ in rows if layer.name in self.names or path in self.names])
         outputs = _output_layers(model) if outputs is None else set(outputs)
         planned = {}  # id(layer) -> the policy name planned for it (a block's, for its sublayers)
-        plan = []
+        plan = Plan()
         for path, layer, parent in rows:
             if id(layer) in kept:
                 dtype, reason = None, "WithPolicy: kept"
@@ -181,6 +181,28 @@ class Rules:
                 f"`float32_layers` names {unknown}, which are no layers of model {model.name!r}. "
                 f"Its layers are: {sorted({layer.name for _, layer, _ in rows})}."
             )
+
+
+class Plan(list):
+    """`Rules.plan`'s rows `(path, layer, policy name or None, reason)`: the layer tree, walked once.
+
+    Parents come before the layers inside them. The later steps of
+    `kmix.autocast` (placing, repairing, the table) read the rows instead of
+    walking the model again.
+    """
+
+    def path(self, layer):
+        """`layer`'s path in the plan, or None for a layer outside it."""
+        if not hasattr(self, "_paths"):
+            self._paths = {id(row[1]): row[0] for row in self}
+        return self._paths.get(id(layer))
+
+    def subtree(self, layer):
+        """The layers inside `layer` (not itself), from the rows."""
+        prefix = self.path(layer)
+        if prefix is None:
+            return [sub for _, sub, _ in walk(layer)]
+        return [row[1] for row in self if row[0].startswith(prefix + "/")]
 
 
 _FOLLOW = object()  # `_place`'s answer for a weightless layer inside a block

@@ -38,7 +38,7 @@ class Settled:
     """What `settle` did and found.
 
     Attributes:
-        adopted: `{id(layer): (path, planned policy, the reloaded policy)}` for
+        adopted: `{id(layer): (path, planned policy, the reloaded policy, has own weights)}` for
             the layers that took the reloaded model's policy: their block
             gives them a dtype of its own.
         synced: how many graph nodes and layer constants took the rebuilt values.
@@ -108,7 +108,7 @@ def settle(model, specs, half_policy, holders=()):
         before = resolved_policy(layer).name
         place.set_policy(layer, resolved_policy(twin).name)
         if reload.describe(layer) == reload.describe(twin):
-            adopted[key] = (path, before, resolved_policy(twin).name)
+            adopted[key] = (path, before, resolved_policy(twin).name, bool(own_weights(layer)))
     synced = _sync_graphs(model, copy) + _sync_constants(model, copy)
     if synced or adopted:
         place.reset_compiled_functions(model)
@@ -143,8 +143,8 @@ def warn(model, settled, stacklevel):
             "(they take Keras's global policy when loaded), so a reloaded model computes there as Keras "
             "builds it: after `load_model`, call `kmix.autocast` on it again."
         )
-    elif _lost(model, settled):
-        described = [f"{path} ({after}, planned {before})" for path, before, after in _lost(model, settled)]
+    elif _lost(settled):
+        described = [f"{path} ({after}, planned {before})" for path, before, after in _lost(settled)]
         message = (
             f"its blocks make {len(described)} layers with a dtype of their own, which a reload gives them "
             f"again: {described[:6]}{' ...' if len(described) > 6 else ''}. They compute so in memory too, "
@@ -171,27 +171,20 @@ def describe_policy(description):
     return f"{cls} {compute if compute == variable else f'mixed_{compute}'}"
 
 
-def _lost(model, settled):
+def _lost(settled):
     """The adopted layers with weights of their own that lost float32 (compute or variables): `[(path, before, after)]`.
 
     A block that makes a layer float32 itself (MMDiT's query norms) only adds
     precision: that is not worth a word.
     """
     lost = []
-    for key, (path, before, after) in settled.adopted.items():
+    for path, before, after, weighted in settled.adopted.values():
         planned, got = keras.DTypePolicy(before), keras.DTypePolicy(after)
         less = (planned.compute_dtype == "float32" and got.compute_dtype != "float32") or (
             planned.variable_dtype == "float32" and got.variable_dtype != "float32")
-        if less and _has_weights(model, key):
+        if less and weighted:
             lost.append((path, before, after))
     return lost
-
-
-def _has_weights(model, key):
-    for _, layer, _ in walk(model):
-        if id(layer) == key:
-            return bool(own_weights(layer))
-    return False
 
 
 def _pairs(model, copy):
