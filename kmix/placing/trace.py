@@ -89,6 +89,8 @@ _MISSING = object()
 
 def _is_cache(value):
     """A tensor a layer holds (not a variable), or the None it starts from."""
+    if isinstance(value, keras.KerasTensor):
+        return True
     return value is None or (keras.ops.is_tensor(value) and not isinstance(value, (keras.Variable, tf.Variable)))
 
 
