@@ -66,16 +66,15 @@ def _error(outputs, reference):
     return worst
 
 
-def _reload(model, x, predicted):
-    """Saves `model` to a temporary `.keras` file, loads it under float32 and compares its outputs."""
+def _reload(model, x, predicted, load=keras.models.load_model):
+    """Saves `model` to a temporary `.keras` file, `load`s it under float32 and compares its outputs."""
     previous = keras.config.dtype_policy()
     try:
         with tempfile.TemporaryDirectory() as directory:
             path = os.path.join(directory, "model.keras")
             model.save(path)
             keras.config.set_dtype_policy("float32")
-            reloaded = keras.models.load_model(path)
-            again = _floats(reloaded(x, training=False))
+            again = _floats(load(path)(x, training=False))
     except Exception as error:  # noqa: BLE001  (any crash is an outcome to record)
         return Reload("crash", message=first_line(error))
     finally:
@@ -98,27 +97,16 @@ def _reload_as_advised(model, x, predicted, policy, messages):
     again = any("kmix.autocast" in m and "call `kmix.autocast` on it again" in m for m in messages)
     if scope is None and not again:
         return None
-    previous = keras.config.dtype_policy()
-    try:
-        with tempfile.TemporaryDirectory() as directory:
-            path = os.path.join(directory, "model.keras")
-            model.save(path)
-            keras.config.set_dtype_policy("float32")
-            if scope is not None:
-                with kmix.policy_scope(scope):
-                    reloaded = keras.models.load_model(path)
-            else:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    reloaded = kmix.autocast(keras.models.load_model(path), policy)
-            again = _floats(reloaded(x, training=False))
-    except Exception as error:  # noqa: BLE001
-        return Reload("crash", message=first_line(error))
-    finally:
-        keras.config.set_dtype_policy(previous)
-    if all(np.array_equal(a, b, equal_nan=True) for a, b in zip(again, predicted, strict=True)):
-        return Reload("exact")
-    return Reload("differs", diff=max(float(np.nanmax(np.abs(a - b), initial=0.0)) for a, b in zip(again, predicted)))
+
+    def load(path):
+        if scope is not None:
+            with kmix.policy_scope(scope):
+                return keras.models.load_model(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return kmix.autocast(keras.models.load_model(path), policy)
+
+    return _reload(model, x, predicted, load)
 
 
 def _distinct(caught):
