@@ -23,8 +23,8 @@ import numpy as np
 from kmix.diagnose import islands
 from kmix.placing import place, reload, repair, settle, trace
 from kmix.policy import advice
-from kmix._tree import is_graph_model, own_weights, resolved_policy, walk
-from kmix.placing.rules import Rules, saved_layers
+from kmix._tree import is_graph_model, resolved_policy, walk
+from kmix.placing.rules import Rules
 from kmix.policy.policy import Policy
 
 Placement = collections.namedtuple("Placement", "layer cls before after reason")
