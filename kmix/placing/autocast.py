@@ -1,17 +1,20 @@
 """`kmix.autocast(model)`: the user's own model, each layer placed by precision, in place.
 
-One pipeline, read top to bottom in `autocast`:
+One pipeline, read top to bottom in `autocast`, each step a module of this package:
 
-1. plan: the rules give every layer a policy (`Rules.plan`, pure), with the
-   float32 islands the user names and, with `sample=`, those a diagnosis of
-   the sample finds, before anything runs in half;
-2. place: each layer takes its policy on itself (`place.place`): no copy, no
-   weights moved; a layer whose `call` fails in half (one symbolic call
-   shows it) is kept in float32, with one warning;
-3. check: the model built from its config, as `keras.models.load_model`
-   builds it, must place every layer alike (`reload`); where a block
-   re-creates its layers otherwise, the placement is recorded where the
-   reload finds it, and what still differs is reported.
+1. plan (`rules`): the rules give every layer a policy, walking the layer
+   tree once into rows `(path, layer, policy, reason)` (`rules.Plan`), with
+   the float32 islands the user names and, with `sample=`, those a
+   diagnosis of the sample finds, before anything runs in half;
+2. place (`place`): each layer takes its policy on itself: no copy, no
+   weights moved;
+3. settle (`settle`): the model built from its config as
+   `keras.models.load_model` builds it; the model in memory made to compute
+   what that model computes (policy maps, the rebuilt graph's constants),
+   checked bit for bit;
+4. repair (`repair`): one symbolic call; where two dtypes meet in a block,
+   the rules' islands inside it give way to the block, or the block goes
+   float32; then settle again.
 """
 
 import collections
@@ -92,14 +95,24 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
     compute (O0) every layer is float32. `kmix.layers.WithPolicy` layers
     keep their policy.
 
+    Two more float32 islands: the router of a mixture of experts (its
+    softmax and top-k choose the experts; Mixtral, Qwen-MoE, GPT-OSS) and a
+    sinusoidal timestep embedding (Flux, SD3).
+
     A layer whose `call` fails in half (a custom layer adding float32 noise
     with a raw TensorFlow op) is found by one symbolic call of the placed
-    model and kept in float32, with one warning naming it. Then the model is
-    built from its config as `keras.models.load_model` would build it: where
-    a reload would place a layer otherwise (a block re-creates its layers
-    with its own dtype), the placement is recorded in the block's dtype (a
-    `keras.dtype_policies.DTypePolicyMap`, as keras-hub does for quantized
-    layers), and what still differs is named in one warning.
+    model and kept in float32, with one warning naming it; where the clash
+    is a rule's island inside a block whose raw arithmetic needs one dtype,
+    the island computes as its block instead. What trains is what reloads:
+    the model is built from its config as `keras.models.load_model` builds
+    it, blocks that re-create their layers get the placement in their dtype
+    (a `keras.dtype_policies.DTypePolicyMap`, as keras-hub does for
+    quantized layers), a layer its block makes with a dtype of its own
+    computes so, the constants a constructor baked into a functional graph
+    are taken as the reload makes them, and the two models must predict bit
+    for bit the same. What a reload cannot rebuild (layers made without
+    `dtype=` take the global policy when loaded) is named in one warning
+    saying how to reload the model.
 
     Args:
         model: a built `keras.Model`: Sequential, functional, subclassed,
