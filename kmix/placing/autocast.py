@@ -30,6 +30,8 @@ from kmix._tree import is_graph_model, resolved_policy, walk
 from kmix.placing.rules import Rules
 from kmix.policy.policy import Policy
 
+_ROUNDS = 3  # repair-and-settle rounds at most
+
 Placement = collections.namedtuple("Placement", "layer cls before after reason")
 Placement.__doc__ = """One row of `autocast`'s table: a layer's path and class, its policy
 before and after, and the rule that placed it."""
@@ -182,10 +184,14 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
 
     place.place(plan)
     settled = settle.settle(model, specs, rules.default.name)
-    repaired = repair.repair(model, specs, plan)
-    _warn_repaired(repaired, plan)
-    if repaired:  # what it changed, a reload must make too
+    repaired = repair.Repaired()
+    for _ in range(_ROUNDS):  # what repair changes, a reload must make too; settling may move a layer
+        changed = repair.repair(model, specs, plan)
+        if not changed:
+            break
+        repaired.update(changed)
         settled = settle.settle(model, specs, rules.default.name, settled.holders)
+    _warn_repaired(repaired, plan)
     settle.warn(model, settled, stacklevel=3)
     place.reset_compiled_functions(model)
 

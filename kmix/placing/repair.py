@@ -41,6 +41,11 @@ class Repaired:
     def __bool__(self):
         return bool(self.kept or self.relaxed)
 
+    def update(self, other):
+        """Adds what another round of `repair` changed."""
+        self.kept.update(other.kept)
+        self.relaxed.update(other.relaxed)
+
 
 def repair(model, specs, plan):
     """Calls `model` symbolically and changes the placement where a dtype clash raises.
@@ -58,6 +63,8 @@ def repair(model, specs, plan):
     for unit, unit_specs in _traceable(model, specs):
         for _ in range(TRIES):
             traced = trace.trace(unit, unit_specs)
+            if traced.error is not None and not is_dtype_error(traced.error):
+                traced = trace.trace(unit, unit_specs, eager=True)  # no graph on open shapes: one real call
             block = traced.culprit
             if traced.error is None or block is None or id(block) in repaired.kept:
                 break

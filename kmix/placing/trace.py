@@ -94,8 +94,14 @@ def _is_cache(value):
     return value is None or (keras.ops.is_tensor(value) and not isinstance(value, (keras.Variable, tf.Variable)))
 
 
-def trace(model, specs):
-    """Builds the graph of `model(x, training=False)` for `specs`; returns a `Traced`."""
+def trace(model, specs, eager=False):
+    """Builds the graph of `model(x, training=False)` for `specs`; returns a `Traced`.
+
+    With `eager`, calls the model once instead, on `sample_inputs(specs)`: a
+    model whose graph cannot be traced on open shapes (a Python branch on a
+    tensor, a `range` over an unknown length) still shows where two dtypes
+    meet.
+    """
     layers = [layer for _, layer, _ in walk(model)]
     seen, producers, culprit = set(), {}, []
     with untouched(model), probe.wrapped_calls(
@@ -103,7 +109,10 @@ def trace(model, specs):
     ):
         returned = []  # the tensors the model returns, inside the graph (tf.function adds identities after)
         try:
-            tf.function(lambda x: returned.append(model(x, training=False)), autograph=False).get_concrete_function(specs)
+            if eager:
+                returned.append(model(sample_inputs(specs), training=False))
+            else:
+                tf.function(lambda x: returned.append(model(x, training=False)), autograph=False).get_concrete_function(specs)
         except Exception as e:  # noqa: BLE001  reported to the caller with the layer that raised it
             return Traced(e, culprit[0] if culprit else None, set())
     found = set()
