@@ -15,7 +15,7 @@ kmix misses:
   reloaded model -- predicts bitwise what the placed model predicted);
 - `fit`: `fit` crashes, or the losses before its two applied steps are not
   finite or not within `Row.fit_tolerance` of float32's (a dynamic loss
-  scale's skipped steps left out: at most `MAX_SKIPPED`).
+  scale's skipped steps left out: at most `MAX_SKIPPED`, 16).
 """
 
 import dataclasses
