@@ -292,7 +292,9 @@ def _check(name, half, fit):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
+                began = time.perf_counter()
                 _, placements = kmix.autocast(placed, policy, return_table=True)
+                row.seconds["autocast"] = round(time.perf_counter() - began, 2)
             finally:
                 row.kmix_warnings = _distinct(caught)
         row.kmix_layers = (sum("16" in placement.after for placement in placements), len(placements))
