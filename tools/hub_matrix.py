@@ -184,7 +184,7 @@ def render(rows, command):
         "",
         "Each architecture is built tiny (`tests/hub_zoo`) and compared from the same float32 weights "
         "(`tests/hub_coverage.py`): error = max |y - y32| / max |y32| over float outputs; reload = a `.keras` "
-        "save and `load_model` predicting bitwise what the model predicted; fit = two epochs of one batch "
+        "save and `load_model` predicting bitwise what the model predicted; fit = two applied steps on one batch "
         "(kmix's losses against float32's); half layers = the layers kmix.autocast's table places in half "
         "(for the record). kmix passes with an error <= 5e-2 (bfloat16) / 1e-2 (float16) "
         "or <= 1.5x plain Keras's; an exact reload (where plain Keras's own reload is not exact, the reload "
