@@ -192,6 +192,8 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
         repaired.update(changed)
         settled = settle.settle(model, specs, rules.default.name, settled.holders)
     _warn_repaired(repaired, plan)
+    if advised is None and policy.compute_dtype == "float16":
+        _check_finite_made_up(model, specs)
     settle.warn(model, settled, stacklevel=3)
     place.reset_compiled_functions(model)
 
@@ -273,6 +275,33 @@ def _warn_repaired(repaired, plan):
             f"the blocks combine their outputs with half tensors ({next(iter(repaired.relaxed.values()))[1]})"
         )
     warnings.warn("kmix.autocast " + "; it ".join(parts) + ".", stacklevel=3)
+
+
+def _check_finite_made_up(model, specs):
+    """Warns where the float16 model's outputs are not finite on inputs made from its specs.
+
+    Made-up inputs (ones for token ids, normal values) are no data, but a
+    model overflowing on them (T5 squares activations past 65504; a block
+    fills its mask with -1e9) overflows on real data too.
+    """
+    if specs is None:
+        return
+    try:
+        with trace.untouched(model):
+            outputs = keras.tree.flatten(model(trace.sample_inputs(specs), training=False))
+    except Exception:  # noqa: BLE001  the model cannot run on made-up inputs: no verdict
+        return
+    floats = [keras.ops.convert_to_numpy(o) for o in outputs
+              if keras.backend.is_float_dtype(keras.backend.standardize_dtype(o.dtype))]
+    if all(np.all(np.isfinite(o)) for o in floats):
+        return
+    warnings.warn(
+        f"kmix.autocast placed model {model.name!r} in float16, and its outputs are not finite on inputs "
+        "made from its input specs: a layer overflows float16's 65504 (or a mask constant becomes -inf). "
+        "Pass a batch, `kmix.autocast(model, policy, sample=(x, y))`, so that autocast diagnoses it and keeps "
+        "the overflowing layers in float32, or train in bfloat16 (`'O1-bfloat16'`).",
+        stacklevel=3,
+    )
 
 
 def _explain(table, targets, given):
