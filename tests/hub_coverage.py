@@ -36,8 +36,12 @@ import numpy as np
 import tensorflow as tf
 
 import kmix
+from kmix._tree import walk
 from tests.hub_row import KEPT_TO_KERAS, TOLERANCE, Reload, Row, first_line  # noqa: F401  (re-exported)
 from tests.hub_zoo import ZOO
+
+MAX_SKIPPED = 16
+"""Steps a dynamic loss scale may skip (halving the scale each time: from 2^15 down to 1) before the two applied ones."""
 
 STEP_SHARE = 0.25
 """The float32 step moves the head an eighth of the way to the target (the loss falls ~23%)."""
@@ -63,16 +67,15 @@ def _error(outputs, reference):
     return worst
 
 
-def _reload(model, x, predicted):
-    """Saves `model` to a temporary `.keras` file, loads it under float32 and compares its outputs."""
+def _reload(model, x, predicted, load=keras.models.load_model):
+    """Saves `model` to a temporary `.keras` file, `load`s it under float32 and compares its outputs."""
     previous = keras.config.dtype_policy()
     try:
         with tempfile.TemporaryDirectory() as directory:
             path = os.path.join(directory, "model.keras")
             model.save(path)
             keras.config.set_dtype_policy("float32")
-            reloaded = keras.models.load_model(path)
-            again = _floats(reloaded(x, training=False))
+            again = _floats(load(path)(x, training=False))
     except Exception as error:  # noqa: BLE001  (any crash is an outcome to record)
         return Reload("crash", message=first_line(error))
     finally:
@@ -81,6 +84,30 @@ def _reload(model, x, predicted):
         return Reload("exact")
     diff = max(float(np.nanmax(np.abs(a - b), initial=0.0)) for a, b in zip(again, predicted, strict=True))
     return Reload("differs", diff=diff if np.isfinite(diff) else float("inf"))
+
+
+def _reload_as_advised(model, x, predicted, policy, messages):
+    """The reload kmix's warning tells the user to do, or None where no warning says how.
+
+    `with kmix.policy_scope(P): keras.models.load_model(path)` where a warning
+    names `P`; `kmix.autocast(keras.models.load_model(path), policy)` where it
+    says to autocast the reloaded model again.
+    """
+    scope = next((m.split("kmix.policy_scope('")[1].split("'")[0] for m in messages
+                  if "kmix.autocast" in m and "kmix.policy_scope('" in m), None)
+    again = any("kmix.autocast" in m and "call `kmix.autocast` on it again" in m for m in messages)
+    if scope is None and not again:
+        return None
+
+    def load(path):
+        if scope is not None:
+            with kmix.policy_scope(scope):
+                return keras.models.load_model(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return kmix.autocast(keras.models.load_model(path), policy)
+
+    return _reload(model, x, predicted, load)
 
 
 def _distinct(caught):
@@ -107,7 +134,14 @@ def _build(name, policy):
 
 
 def _with_head(backbone):
-    """`keras.Model(backbone.input, mean of its first float output in float32)`."""
+    """`keras.Model(backbone.input, mean of its first float output in float32)`, its dropouts off.
+
+    A block may hard-code its dropout (SegFormer's attention: 0.1) where a
+    builder cannot set it: training steps compare only without it.
+    """
+    for _, layer, _ in walk(backbone):
+        if isinstance(layer, keras.layers.Dropout):
+            layer.rate = 0.0
     inputs = backbone.input
     outputs = [
         y for y in keras.tree.flatten(backbone(inputs))
@@ -155,15 +189,29 @@ def _target_and_rate(model32, x, scale):
 
 
 def _fit(model, x, target, rate, policy=None):
-    """Two epochs of `fit` on the one batch; the losses. `policy`: kmix's, for compiling."""
+    """Two applied steps of `fit` on the one batch: `(losses, steps skipped)`. `policy`: kmix's.
+
+    A loss-scale optimizer skips a step whose scaled gradients overflow (and
+    halves its scale), without advancing `iterations`: the losses are those
+    seen before the first and the second applied update, skipped steps left
+    out (at most `MAX_SKIPPED` of them), as float32 applies every step.
+    """
     model.trainable = True
     if policy is None:
         model.compile(optimizer=keras.optimizers.SGD(rate), loss="mse", jit_compile=False)
     else:
         with kmix.policy_scope(policy):
             model.compile(optimizer=kmix.wrap(keras.optimizers.SGD(rate)), loss="mse", jit_compile=False)
-    history = model.fit(x, target, batch_size=2, epochs=2, shuffle=False, verbose=0)
-    return [float(loss) for loss in history.history["loss"]]
+    losses, skipped = {}, 0
+    for _ in range(2 + MAX_SKIPPED):
+        applied = int(model.optimizer.iterations)
+        history = model.fit(x, target, batch_size=2, epochs=1, shuffle=False, verbose=0)
+        losses.setdefault(applied, float(history.history["loss"][0]))
+        if int(model.optimizer.iterations) == applied:
+            skipped += 1
+        if len(losses) == 2 and 1 in losses:
+            break
+    return [losses[k] for k in sorted(losses)][:2], skipped
 
 
 def _fit_keras(backbone, x, target, rate, half):
@@ -172,7 +220,7 @@ def _fit_keras(backbone, x, target, rate, half):
     try:
         keras.config.set_dtype_policy(f"mixed_{half}")
         model = _with_head(backbone)
-        return _fit(model, x, target, rate), None
+        return _fit(model, x, target, rate)[0], None
     except Exception as error:  # noqa: BLE001
         return None, first_line(error)
     finally:
@@ -244,13 +292,17 @@ def _check(name, half, fit):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
+                began = time.perf_counter()
                 _, placements = kmix.autocast(placed, policy, return_table=True)
+                row.seconds["autocast"] = round(time.perf_counter() - began, 2)
             finally:
                 row.kmix_warnings = _distinct(caught)
         row.kmix_layers = (sum("16" in placement.after for placement in placements), len(placements))
         y = _floats(placed(x, training=False))
         row.kmix_error = _error(y, y32)
         row.kmix_reload = _reload(placed, x, y)
+        if row.kmix_reload.status != "exact":
+            row.kmix_reload_advised = _reload_as_advised(placed, x, y, policy, row.kmix_warnings)
     except Exception as error:  # noqa: BLE001
         row.kmix_crash = first_line(error)
     finally:
@@ -260,12 +312,12 @@ def _check(name, half, fit):
         try:
             head32 = _with_head(model32)
             target, rate = _target_and_rate(head32, x, max(float(np.max(np.abs(y32[0]))), 1e-3))
-            row.fit_losses32 = _fit(head32, x, target, rate)
+            row.fit_losses32, _ = _fit(head32, x, target, rate)
         except Exception as error:  # noqa: BLE001
             row.fit_reference = first_line(error)
         if not row.fit_reference:
             try:
-                row.fit_losses = _fit(_with_head(placed), x, target, rate, policy)
+                row.fit_losses, row.fit_skipped = _fit(_with_head(placed), x, target, rate, policy)
             except Exception as error:  # noqa: BLE001
                 row.fit_crash = first_line(error)
             if not row.keras_crash:

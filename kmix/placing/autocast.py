@@ -1,17 +1,20 @@
 """`kmix.autocast(model)`: the user's own model, each layer placed by precision, in place.
 
-One pipeline, read top to bottom in `autocast`:
+One pipeline, read top to bottom in `autocast`, each step a module of this package:
 
-1. plan: the rules give every layer a policy (`Rules.plan`, pure), with the
-   float32 islands the user names and, with `sample=`, those a diagnosis of
-   the sample finds, before anything runs in half;
-2. place: each layer takes its policy on itself (`place.place`): no copy, no
-   weights moved; a layer whose `call` fails in half (one symbolic call
-   shows it) is kept in float32, with one warning;
-3. check: the model built from its config, as `keras.models.load_model`
-   builds it, must place every layer alike (`reload`); where a block
-   re-creates its layers otherwise, the placement is recorded where the
-   reload finds it, and what still differs is reported.
+1. plan (`rules`): the rules give every layer a policy, walking the layer
+   tree once into rows `(path, layer, policy, reason)` (`rules.Plan`), with
+   the float32 islands the user names and, with `sample=`, those a
+   diagnosis of the sample finds, before anything runs in half;
+2. place (`place`): each layer takes its policy on itself: no copy, no
+   weights moved;
+3. settle (`settle`): the model built from its config as
+   `keras.models.load_model` builds it; the model in memory made to compute
+   what that model computes (policy maps, the rebuilt graph's constants),
+   checked bit for bit;
+4. repair (`repair`): one symbolic call; where two dtypes meet in a block,
+   the rules' islands inside it give way to the block, or the block goes
+   float32; then settle again.
 """
 
 import collections
@@ -21,17 +24,18 @@ import keras
 import numpy as np
 
 from kmix.diagnose import islands
-from kmix.placing import place, reload, trace
+from kmix.placing import place, reload, repair, settle, trace
 from kmix.policy import advice
-from kmix._tree import is_graph_model, own_weights, resolved_policy, walk
-from kmix.placing.rules import Rules, saved_layers
+from kmix._tree import is_graph_model, resolved_policy, walk
+from kmix.placing.rules import Rules
 from kmix.policy.policy import Policy
+
+_ROUNDS = 3  # repair-and-settle rounds at most
 
 Placement = collections.namedtuple("Placement", "layer cls before after reason")
 Placement.__doc__ = """One row of `autocast`'s table: a layer's path and class, its policy
 before and after, and the rule that placed it."""
 
-_TRIES = 8  # layers kept in float32 at most, one per symbolic call, before giving up
 
 
 class AutocastTable(list):
@@ -93,14 +97,24 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
     compute (O0) every layer is float32. `kmix.layers.WithPolicy` layers
     keep their policy.
 
+    Two more float32 islands: the router of a mixture of experts (its
+    softmax and top-k choose the experts; Mixtral, Qwen-MoE, GPT-OSS) and a
+    sinusoidal timestep embedding (Flux, SD3).
+
     A layer whose `call` fails in half (a custom layer adding float32 noise
     with a raw TensorFlow op) is found by one symbolic call of the placed
-    model and kept in float32, with one warning naming it. Then the model is
-    built from its config as `keras.models.load_model` would build it: where
-    a reload would place a layer otherwise (a block re-creates its layers
-    with its own dtype), the placement is recorded in the block's dtype (a
-    `keras.dtype_policies.DTypePolicyMap`, as keras-hub does for quantized
-    layers), and what still differs is named in one warning.
+    model and kept in float32, with one warning naming it; where the clash
+    is a rule's island inside a block whose raw arithmetic needs one dtype,
+    the island computes as its block instead. What trains is what reloads:
+    the model is built from its config as `keras.models.load_model` builds
+    it, blocks that re-create their layers get the placement in their dtype
+    (a `keras.dtype_policies.DTypePolicyMap`, as keras-hub does for
+    quantized layers), a layer its block makes with a dtype of its own
+    computes so, the constants a constructor baked into a functional graph
+    are taken as the reload makes them, and the two models must predict bit
+    for bit the same. What a reload cannot rebuild (layers made without
+    `dtype=` take the global policy when loaded) is named in one warning
+    saying how to reload the model.
 
     Args:
         model: a built `keras.Model`: Sequential, functional, subclassed,
@@ -169,10 +183,18 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
     before = {id(layer): (resolved_policy(layer).name, type(layer)) for _, layer, _, _ in plan}
 
     place.place(plan)
-    unplaced = _check_reload(model, adopt=True)
-    kept = _keep_what_fails(_traceable(model, specs), plan)
-    if kept:  # what it kept in float32, a reload must keep too
-        unplaced = _check_reload(model, adopt=False)
+    settled = settle.settle(model, specs, rules.default.name)
+    repaired = repair.Repaired()
+    for _ in range(_ROUNDS):  # what repair changes, a reload must make too; settling may move a layer
+        changed = repair.repair(model, specs, plan)
+        if not changed:
+            break
+        repaired.update(changed)
+        settled = settle.settle(model, specs, rules.default.name, settled.holders)
+    _warn_repaired(repaired, plan)
+    if advised is None and policy.compute_dtype == "float16":
+        _check_finite_made_up(model, specs)
+    settle.warn(model, settled, stacklevel=3)
     place.reset_compiled_functions(model)
 
     table = AutocastTable()
@@ -181,10 +203,14 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
         cls = old_cls.__name__
         if type(layer) is not old_cls:
             cls += f" -> kmix.layers.{type(layer).__name__}"
-        if id(layer) in kept:
-            reason = f"fails in half: {kept[id(layer)]}"
-        if id(layer) in unplaced:
-            reason += f" (a reload gives {unplaced[id(layer)]})"
+        if id(layer) in repaired.kept:
+            reason = f"fails in half: {repaired.kept[id(layer)]}"
+        elif id(layer) in repaired.relaxed:
+            reason = f"{reason}; its block mixes it with half tensors, so as its block"
+        if id(layer) in settled.adopted and settled.adopted[id(layer)][1] != resolved_policy(layer).name:
+            reason += f" (planned {settled.adopted[id(layer)][1]}: its block makes it so)"
+        if id(layer) in settled.unplaced:
+            reason += f" (a reload gives {settle.describe_policy(settled.unplaced[id(layer)][2])})"
         table.append(Placement(path, cls, old, resolved_policy(layer).name, reason))
     if advised is not None:
         _explain(table, advised.targets, given)
@@ -231,121 +257,51 @@ def _plan(rules, model, specs):
     return rules.plan(model, outputs)
 
 
-def _traceable(model, specs):
-    """`[(model or nested model, input specs)]` to call symbolically: the model, else its graph parts.
-
-    A subclassed model never called on one input (keras.io's VAE, whose
-    `train_step` calls its encoder and decoder) is checked through the
-    outermost graph models inside it.
-    """
-    if specs is not None:
-        return [(model, specs)]
-    units, covered = [], set()
-    for _, layer, parent in walk(model):  # parents come before the layers inside them
-        if id(parent) in covered:
-            covered.add(id(layer))
-        elif is_graph_model(layer) and trace.input_specs(layer) is not None:
-            units.append((layer, trace.input_specs(layer)))
-            covered.add(id(layer))
-    return units
-
-
-def _keep_what_fails(units, plan):
-    """Keeps in float32 each half layer whose `call` raises in a symbolic call of the placed model.
-
-    Args:
-        units: `_traceable`'s `(model, specs)` pairs.
-        plan: the plan placed.
-
-    Returns:
-        `{id(layer): the error}` for the layers kept.
-    """
+def _warn_repaired(repaired, plan):
+    """One warning naming what the symbolic call changed: blocks kept in float32, islands relaxed."""
+    if not repaired:
+        return
     paths = {id(layer): path for path, layer, _, _ in plan}
-    kept = {}
-    for unit, specs in units:
-        for _ in range(_TRIES):
-            traced = trace.trace(unit, specs)
-            layer = traced.culprit
-            if traced.error is None or layer is None or id(layer) in kept or layer.compute_dtype == "float32":
-                break  # placed cleanly, or it fails in float32 too: not a placement's doing
-            kept[id(layer)] = _first_words(traced.error)
-            for sub in [layer] + [sub for _, sub, _ in walk(layer)]:
-                place.set_policy(sub, "float32")
-    if kept:
-        names = [paths.get(i, "?") for i in kept]
-        warnings.warn(
-            f"kmix.autocast kept {names} in float32: their `call` fails in half precision "
-            f"({next(iter(kept.values()))}). To place them yourself, pass them in `float32_layers`.",
-            stacklevel=3,
+    parts = []
+    if repaired.kept:
+        parts.append(
+            f"kept {[paths.get(i, '?') for i in repaired.kept]} in float32: their `call` fails in half "
+            f"precision ({next(iter(repaired.kept.values()))}). To place them yourself, pass them in "
+            "`float32_layers`"
         )
-    return kept
+    if repaired.relaxed:
+        parts.append(
+            f"computes {[paths.get(i, '?') for i in repaired.relaxed]} as their blocks do, not in float32: "
+            f"the blocks combine their outputs with half tensors ({next(iter(repaired.relaxed.values()))[1]})"
+        )
+    warnings.warn("kmix.autocast " + "; it ".join(parts) + ".", stacklevel=3)
 
 
-def _check_reload(model, adopt):
-    """Makes `keras.models.load_model` place every layer as the model in memory; `{id: what differs}`.
+def _check_finite_made_up(model, specs):
+    """Warns where the float16 model's outputs are not finite on inputs made from its specs.
 
-    With `adopt`, a layer without variables of its own that a block makes
-    (a dropout a keras-hub layer builds in its constructor) takes the policy
-    the reload gives it, as the block makes it.
+    Made-up inputs (ones for token ids, normal values) are no data, but a
+    model overflowing on them (T5 squares activations past 65504; a block
+    fills its mask with -1e9) overflows on real data too.
     """
-    copy, error = reload.reloaded(model)
-    if error is not None:
-        warnings.warn(
-            f"kmix.autocast placed model {model.name!r} in memory, but Keras cannot build it from its "
-            f"config ({_first_words(error)}), so `model.save` will "
-            "not load back as it is. Save its weights (`model.save_weights`) and build the model in code, "
-            "then autocast it again.",
-            stacklevel=3,
-        )
-        return {}
-    found = reload.differences(model, copy)
-    if found and reload.record(model, found, copy):
-        copy, _ = reload.reloaded(model)
-        found = reload.differences(model, copy) if copy is not None else found
-    if adopt:
-        found = _adopt_block_choices(found, saved_layers(model))
-    if found:
-        described = [f"{path} ({_policy(mine)} in memory, {_policy(got)} after a reload)"
-                     for _, path, mine, got, _ in found.values()]
-        warnings.warn(
-            f"kmix.autocast placed every layer of model {model.name!r} in memory, but "
-            f"`keras.models.load_model` would place {len(described)} otherwise: {described[:6]}"
-            f"{' ...' if len(described) > 6 else ''}. Their blocks re-create them with a dtype of their "
-            "own, or their class leaves `dtype` out of its config, so a reloaded model computes there "
-            "as Keras builds it: after `load_model`, call `kmix.autocast` on it again.",
-            stacklevel=3,
-        )
-    return {i: _policy(row[3]) for i, row in found.items()}
-
-
-def _adopt_block_choices(found, listed):
-    """A layer without variables of its own that a block makes computes as a reload makes it.
-
-    A block's dropout, a keras-hub task's own policy: what their block or
-    model passes them when it is built.
-    """
-    for key, (layer, _, _, _, twin) in list(found.items()):
-        if twin is not None and not own_weights(layer) and key not in listed:
-            place.set_policy(layer, resolved_policy(twin).name)
-            if reload.describe(layer) == reload.describe(twin):
-                del found[key]
-    return found
-
-
-def _first_words(error):
-    """The error's class and first line that says something (Keras starts with "Exception encountered")."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    lines = [line for line in lines if not line.startswith("Exception encountered")] or lines or [""]
-    text = lines[0].replace("\x1b[1m", "").replace("\x1b[0m", "")
-    return f"{type(error).__name__}: {text[:160]}"
-
-
-def _policy(description):
-    if isinstance(description, str):
-        return description
-    cls, compute, variable, _ = description
-    name = compute if compute == variable else f"mixed_{compute}"
-    return f"{cls} {name}"
+    if specs is None:
+        return
+    try:
+        with trace.untouched(model):
+            outputs = keras.tree.flatten(model(trace.sample_inputs(specs), training=False))
+    except Exception:  # noqa: BLE001  the model cannot run on made-up inputs: no verdict
+        return
+    floats = [keras.ops.convert_to_numpy(o) for o in outputs
+              if keras.backend.is_float_dtype(keras.backend.standardize_dtype(o.dtype))]
+    if all(np.all(np.isfinite(o)) for o in floats):
+        return
+    warnings.warn(
+        f"kmix.autocast placed model {model.name!r} in float16, and its outputs are not finite on inputs "
+        "made from its input specs: a layer overflows float16's 65504 (or a mask constant becomes -inf). "
+        "Pass a batch, `kmix.autocast(model, policy, sample=(x, y))`, so that autocast diagnoses it and keeps "
+        "the overflowing layers in float32, or train in bfloat16 (`'O1-bfloat16'`).",
+        stacklevel=3,
+    )
 
 
 def _explain(table, targets, given):

@@ -53,7 +53,7 @@ def set_policy(layer, dtype):
     layer.dtype_policy = new
     if old.compute_dtype != new.compute_dtype:
         for name, value in list(vars(layer).items()):
-            if _is_constant(value) and keras.backend.standardize_dtype(value.dtype) == old.compute_dtype:
+            if is_constant(value) and keras.backend.standardize_dtype(value.dtype) == old.compute_dtype:
                 setattr(layer, name, keras.ops.cast(value, new.compute_dtype))
 
 
@@ -98,7 +98,7 @@ def reset_compiled_functions(model):
             setattr(model, name, None)
 
 
-def _is_constant(value):
+def is_constant(value):
     return (
         keras.ops.is_tensor(value)
         and not isinstance(value, keras.Variable)

@@ -18,6 +18,7 @@ quantized layers). What still differs is reported.
 import os
 import re
 import tempfile
+import warnings
 
 import keras
 
@@ -25,16 +26,29 @@ from kmix._tree import is_auto_named, own_weights, resolved_policy, snake_case, 
 from kmix.placing.rules import saved_layers
 
 
-def reloaded(model):
-    """`model` built from its config as `load_model` builds it (no weights), or the error why not."""
+def reloaded(model, global_policy=None):
+    """`model` built from its config as `load_model` builds it (no weights), or the error why not.
+
+    Args:
+        model: a built model.
+        global_policy: the Keras global dtype policy to load under (the one
+            in force by default), which the layers a block makes without
+            `dtype=` take.
+    """
+    previous = keras.config.dtype_policy()
     try:
+        if global_policy is not None:
+            keras.config.set_dtype_policy(global_policy)
         config = keras.saving.serialize_keras_object(model)
         config.pop("compile_config", None)
-        with keras.saving.custom_object_scope(user_classes(model)):
+        with keras.saving.custom_object_scope(user_classes(model)), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Keras's build warnings were shown when the model was made
             # safe_mode=False: a Lambda's function is the user's own, from this process.
             return keras.saving.deserialize_keras_object(config, safe_mode=False), None
     except Exception as e:  # noqa: BLE001  any failure here is reported, never raised from autocast
         return None, e
+    finally:
+        keras.config.set_dtype_policy(previous)
 
 
 def differences(model, copy):
@@ -74,7 +88,8 @@ def record(model, found, copy):
     """Gives the blocks that re-create the layers in `found` a policy map of the whole placement.
 
     Returns:
-        The number of blocks (and non-listing models) given a map.
+        The blocks (and non-listing models) given a map: `write_maps` writes
+        them anew after a later change of the placement.
     """
     listed = saved_layers(model)
     parents = {id(layer): parent for _, layer, parent in walk(model)}
@@ -88,10 +103,16 @@ def record(model, found, copy):
             if block is model or id(block) in listed:
                 break
             block = parents[id(block)]
+    write_maps(model, list(holders.values()), copy)
+    return list(holders.values())
+
+
+def write_maps(model, holders, copy=None):
+    """Gives each of `holders` a `DTypePolicyMap` of every layer's policy as placed now."""
     if not holders:
-        return 0
+        return
     entries = _entries(model, copy)
-    for block in holders.values():
+    for block in holders:
         # A map of the user's (a backbone built with one) is replaced on the block alone: its
         # layers keep reading theirs in memory, and the block's config carries the placement.
         dtype_map = keras.dtype_policies.DTypePolicyMap(default_policy=_default(model))
@@ -100,36 +121,48 @@ def record(model, found, copy):
         if block.path and block.path not in dtype_map:
             dtype_map[block.path] = resolved_policy(block)
         _set_map(block, dtype_map)
-    return len(holders)
 
 
 def _entries(model, copy):
     """`{key: policy}` for every layer: its path in memory and in `copy`, a pattern for auto-named ones.
 
     A layer a block makes without `name=` is named by Keras's counter
-    (`t5_layer_norm_4`), which runs on in every reload (`t5_layer_norm_24`):
-    it is keyed by its block's path and its class's name with any counter,
+    (`t5_layer_norm_4`), which runs on in every reload (`t5_layer_norm_24`),
+    and so are the paths of the layers inside it (`.../mixtral_sparse_moe_block_2/
+    sparse_feedforward_gate_dense`). Such a layer is keyed by a pattern where
+    each auto-named step of its path is its class's name with any counter,
     where every layer that pattern covers has one policy.
     """
-    ours, theirs = list(walk(model)), list(walk(copy))
+    ours, theirs = list(walk(model)), list(walk(copy)) if copy is not None else []
     twins = [row[1] for row in theirs] if len(theirs) == len(ours) else [None] * len(ours)
+    by_path = {layer.path: layer for _, layer, _ in ours + theirs if layer.path}
     entries, patterns = {}, {}
     for (_, layer, _), twin in zip(ours, twins):
         policy = resolved_policy(layer)
-        paths = [p for p in (layer.path, getattr(twin, "path", None)) if p]
-        if not is_auto_named(layer):
-            for path in paths:
+        for path in [p for p in (layer.path, getattr(twin, "path", None)) if p]:
+            key = _path_pattern(path, by_path)
+            if key is None:
                 entries.setdefault(path, policy)
-            continue
-        for path in paths:
-            parent = path.rpartition("/")[0]
-            if parent:
-                key = f"{re.escape(parent)}/{re.escape(snake_case(type(layer).__name__))}(?:_\\d+)?"
+            else:
                 patterns.setdefault(key, set()).add(policy.name)
     for key, names in patterns.items():
         if len(names) == 1:
             entries.setdefault(key, keras.DTypePolicy(names.pop()))
     return entries
+
+
+def _path_pattern(path, by_path):
+    """A regex for `path` with each auto-named step any count of its class, or None when none is."""
+    steps = path.split("/")
+    parts, auto = [], False
+    for i, step in enumerate(steps):
+        layer = by_path.get("/".join(steps[: i + 1]))
+        if i > 0 and is_auto_named(layer):
+            parts.append(f"{re.escape(snake_case(type(layer).__name__))}(?:_\\d+)?")
+            auto = True
+        else:
+            parts.append(re.escape(step))
+    return "/".join(parts) if auto else None
 
 
 def copy_model(model):

@@ -8,6 +8,8 @@ layers nested in other layers and models included. `Rules.plan` is pure: it
 reads the model and changes nothing (`place` places the plan).
 """
 
+import re
+
 import keras
 
 from kmix import _compat
@@ -122,21 +124,21 @@ class Rules:
         named = _subtree_ids([layer for path, layer, _ in rows if layer.name in self.names or path in self.names])
         outputs = _output_layers(model) if outputs is None else set(outputs)
         planned = {}  # id(layer) -> the policy name planned for it (a block's, for its sublayers)
-        plan = []
+        plan = Plan()
         for path, layer, parent in rows:
             if id(layer) in kept:
                 dtype, reason = None, "WithPolicy: kept"
             else:
                 in_block = not is_graph_model(parent)
-                dtype, reason = self._place(layer, id(layer) in named, id(layer) in outputs, in_block)
+                dtype, reason = self._place(layer, id(layer) in named, id(layer) in outputs, in_block, parent)
                 if dtype is _FOLLOW:
                     dtype, reason = _follow_block(layer, parent, planned)
             planned[id(layer)] = dtype
             plan.append((path, layer, dtype, reason))
         return plan
 
-    def _place(self, layer, named, output, in_block):
-        """The Keras policy name and the reason; `in_block`: created inside a layer, not a graph."""
+    def _place(self, layer, named, output, in_block, parent):
+        """The Keras policy name and the reason; `in_block`: created inside `parent`, a layer, not a graph."""
         half = self.default.name
         if named or isinstance(layer, self.classes):
             return "float32", "float32_layers"
@@ -155,6 +157,10 @@ class Rules:
                 # Inside, a block adds and multiplies raw tensors, which must share one dtype.
                 return half, "model output, but a block: keeps its dtype"
             return "float32", "model output"
+        if re.search(r"Timestep|Sinusoid", type(layer).__name__):
+            return "float32", "sinusoidal embedding: sin/cos of large arguments, 3 digits in half"
+        if in_block and is_router(layer, parent):
+            return "float32", "router of a mixture of experts: its softmax and top-k choose the experts"
         if _is_normalization(layer):
             return _place_normalization(layer, self.policy.compute_dtype) if in_block else ("float32", "normalization")
         activation = _activation_name(layer)
@@ -175,6 +181,28 @@ class Rules:
                 f"`float32_layers` names {unknown}, which are no layers of model {model.name!r}. "
                 f"Its layers are: {sorted({layer.name for _, layer, _ in rows})}."
             )
+
+
+class Plan(list):
+    """`Rules.plan`'s rows `(path, layer, policy name or None, reason)`: the layer tree, walked once.
+
+    Parents come before the layers inside them. The later steps of
+    `kmix.autocast` (placing, repairing, the table) read the rows instead of
+    walking the model again.
+    """
+
+    def path(self, layer):
+        """`layer`'s path in the plan, or None for a layer outside it."""
+        if not hasattr(self, "_paths"):
+            self._paths = {id(row[1]): row[0] for row in self}
+        return self._paths.get(id(layer))
+
+    def subtree(self, layer):
+        """The layers inside `layer` (not itself), from the rows."""
+        prefix = self.path(layer)
+        if prefix is None:
+            return [sub for _, sub, _ in walk(layer)]
+        return [row[1] for row in self if row[0].startswith(prefix + "/")]
 
 
 _FOLLOW = object()  # `_place`'s answer for a weightless layer inside a block
@@ -245,6 +273,25 @@ def _output_layers(model):
         else:  # an ops node (`GetItem`, `Mean`, ...): its result dtype follows its inputs
             stack.extend(_compat.node_inputs(operation, node_index))
     return found
+
+
+def is_router(layer, block):
+    """Whether `layer` is the router of a mixture-of-experts `block`: the projection to expert logits.
+
+    Switch Transformer, DeepSpeed's `TopKGate` and Megatron-LM keep the router
+    in float32: a half router's top-k flips experts, and the load-balancing
+    loss sums its probabilities. Found by name, as keras-hub's MoE blocks
+    call it: a `Dense` named `*gate*` or `*router*` (not an expert's gate)
+    in a block named `*SparseMoe*` / `*MoEBlock*`, or any `Dense` in a
+    `*Router` layer (GPT-OSS, Gemma 4).
+    """
+    if not isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
+        return False
+    block_name, name = type(block).__name__, layer.name.lower()
+    if re.search(r"Router$", block_name):
+        return True
+    moe_block = re.search(r"Sparse|Mo[Ee]Block|Mo[Ee]Layer", block_name) is not None
+    return moe_block and re.search(r"gate|router", name) is not None and "expert" not in name
 
 
 def _is_normalization(layer):

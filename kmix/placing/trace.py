@@ -9,14 +9,16 @@ so is the layer that returned each of the model's outputs (a subclassed
 model's graph is known no other way).
 """
 
+import contextlib
 import functools
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from kmix import _compat
-from kmix.diagnose import probe
 from kmix._tree import is_graph_model, walk
+from kmix.diagnose import probe
 
 
 class Traced:
@@ -56,14 +58,61 @@ def input_specs(model, x=None):
     return None
 
 
-def trace(model, specs):
-    """Builds the graph of `model(x, training=False)` for `specs`; returns a `Traced`."""
+@contextlib.contextmanager
+def untouched(model):
+    """Puts back the tensors `model`'s layers hold as attributes, after a call on made-up inputs.
+
+    A layer may cache what it computed from its inputs (keras-hub's
+    `FlowMatchEulerDiscreteScheduler` keeps the sigmas of the number of
+    steps it was last called with); a check's call must leave no such trace,
+    symbolic or made up, in the user's model.
+    """
+    layers = [model] + [layer for _, layer, _ in walk(model)]
+    saved = [(layer, dict(vars(layer))) for layer in layers]
+    try:
+        yield
+    finally:
+        for layer, before in saved:
+            state = vars(layer)
+            for name in list(state):
+                old, new = before.get(name, _MISSING), state[name]
+                if new is old or not (_is_cache(new) or _is_cache(old)):
+                    continue
+                if old is _MISSING:
+                    del state[name]
+                else:
+                    state[name] = old
+
+
+_MISSING = object()
+
+
+def _is_cache(value):
+    """A tensor a layer holds (not a variable), or the None it starts from."""
+    if isinstance(value, keras.KerasTensor):
+        return True
+    return value is None or (keras.ops.is_tensor(value) and not isinstance(value, (keras.Variable, tf.Variable)))
+
+
+def trace(model, specs, eager=False):
+    """Builds the graph of `model(x, training=False)` for `specs`; returns a `Traced`.
+
+    With `eager`, calls the model once instead, on `sample_inputs(specs)`: a
+    model whose graph cannot be traced on open shapes (a Python branch on a
+    tensor, a `range` over an unknown length) still shows where two dtypes
+    meet.
+    """
     layers = [layer for _, layer, _ in walk(model)]
     seen, producers, culprit = set(), {}, []
-    with probe.wrapped_calls(layers, lambda layer, _: _watch(layer.call, layer, seen, producers, culprit)):
+    with untouched(model), probe.wrapped_calls(
+        layers, lambda layer, _: _watch(layer.call, layer, seen, producers, culprit)
+    ):
         returned = []  # the tensors the model returns, inside the graph (tf.function adds identities after)
         try:
-            tf.function(lambda x: returned.append(model(x, training=False)), autograph=False).get_concrete_function(specs)
+            if eager:
+                returned.append(model(sample_inputs(specs), training=False))
+            else:
+                tf.function(lambda x: returned.append(model(x, training=False)), autograph=False).get_concrete_function(specs)
         except Exception as e:  # noqa: BLE001  reported to the caller with the layer that raised it
             return Traced(e, culprit[0] if culprit else None, set())
     found = set()
@@ -104,3 +153,23 @@ def _dtype(value):
         return "float32"
     dtype = keras.backend.standardize_dtype(dtype)
     return "float32" if dtype == "float64" else dtype
+
+
+def sample_inputs(specs, rows=2, length=8, seed=0):
+    """Made-up inputs for `specs`: `rows` rows, unknown axes of `length`; ones for integers.
+
+    Integer inputs (token ids, masks) are all ones, valid for any vocabulary
+    and a mask that keeps every position; float inputs are normal values.
+    """
+    rng = np.random.default_rng(seed)
+
+    def make(spec):
+        shape = [rows if i == 0 else (length if d is None else d) for i, d in enumerate(spec.shape)]
+        dtype = keras.backend.standardize_dtype(spec.dtype)
+        if keras.backend.is_float_dtype(dtype):
+            return rng.normal(size=shape).astype(dtype)
+        if dtype == "bool":
+            return np.ones(shape, bool)
+        return np.ones(shape, dtype)
+
+    return keras.tree.map_structure(make, specs)

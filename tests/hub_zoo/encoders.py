@@ -9,6 +9,8 @@ first is not. Audio is a synthetic tone at speech-like amplitude; Whisper's
 features come from keras-hub's own `WhisperAudioConverter`.
 """
 
+import inspect
+
 import keras_hub
 import numpy as np
 
@@ -88,9 +90,17 @@ def _batch(backbone, arrays):
 TEXT_INPUTS = ("token_ids", "segment_ids", "padding_mask")
 
 
+def _without_dropout(cls, config):
+    """`config` with every dropout rate `cls` takes at 0: a training step is then the same twice."""
+    for name in inspect.signature(cls.__init__).parameters:
+        if "dropout" in name:
+            config.setdefault(name, 0.0)
+    return config
+
+
 def _encoder(cls, seed, inputs=TEXT_INPUTS, **config):
-    """A text encoder `cls(**config)` and a batch of the `inputs` it takes."""
-    backbone = cls(**config)
+    """A text encoder `cls(**config)` (no dropout) and a batch of the `inputs` it takes."""
+    backbone = cls(**_without_dropout(cls, config))
     ids, mask = _tokens(seed)
     arrays = {"token_ids": ids, "segment_ids": _segments(mask), "padding_mask": mask}
     return backbone, _batch(backbone, {key: arrays[key] for key in inputs})
@@ -193,7 +203,7 @@ def build_bart():
     """BART: one encoder and one decoder layer with learned positions."""
     backbone = keras_hub.models.BartBackbone(
         vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=16,
-        intermediate_dim=32, max_sequence_length=16,
+        intermediate_dim=32, max_sequence_length=16, dropout=0.0,
     )
     return backbone, _batch(backbone, _seq2seq(13))
 
@@ -203,7 +213,7 @@ def build_t5():
     """T5: relative position buckets, gated FFN, tied embeddings."""
     backbone = keras_hub.models.T5Backbone(
         vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=16,
-        intermediate_dim=32, key_value_dim=8,
+        intermediate_dim=32, key_value_dim=8, dropout=0.0,
     )
     return backbone, _batch(backbone, _seq2seq(15))
 

@@ -113,7 +113,7 @@ def build_densenet():
 def build_efficientnet():
     """`EfficientNetBackbone`: a fused and an unfused MBConv stage, squeeze-and-excite."""
     return _image_model(
-        "EfficientNetBackbone", "imagenet", stackwise_width_coefficients=[1.0, 1.0],
+        "EfficientNetBackbone", "imagenet", dropout=0.0, stackwise_width_coefficients=[1.0, 1.0],
         stackwise_depth_coefficients=[1.0, 1.0], stackwise_kernel_sizes=[3, 3], stackwise_num_repeats=[1, 1],
         stackwise_input_filters=[8, 8], stackwise_output_filters=[8, 16], stackwise_expansion_ratios=[1, 4],
         stackwise_squeeze_and_excite_ratios=[0.0, 0.25], stackwise_strides=[1, 2],
@@ -432,7 +432,7 @@ def build_parseq():
     )
     backbone = keras_hub.models.PARSeqBackbone(
         image_encoder=encoder, vocabulary_size=vocabulary_size, max_label_length=6, decoder_hidden_dim=16,
-        num_decoder_layers=1, num_decoder_heads=2, decoder_mlp_dim=32,
+        num_decoder_layers=1, num_decoder_heads=2, decoder_mlp_dim=32, dropout_rate=0.0, attention_dropout=0.0,
     )
     token_ids = sentences((1, start), start=start, end=0, pad=pad, length=7)
     return backbone, {

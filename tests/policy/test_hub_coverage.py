@@ -28,8 +28,11 @@ DEFAULT = [
     ("GemmaBackbone", "float16"),
     # A float32 island (the layer norms) feeding raw ops inside a recurrent block.
     ("RWKV7Backbone", "bfloat16"),
-    # A mixture-of-experts router and its load-balancing loss.
+    # A mixture-of-experts router and its load-balancing loss (float16: a loss scale's skipped step).
     ("MixtralBackbone", "bfloat16"),
+    ("Qwen3MoeBackbone", "float16"),
+    # Sinusoidal timestep embeddings (in half, 0.4 of the output away), blocks without `dtype=`.
+    ("FluxBackbone", "bfloat16"),
     # Plain decoder and encoder stacks.
     ("LlamaBackbone", "float16"),
     ("BertBackbone", "float16"),

@@ -1,0 +1,77 @@
+"""The one place kmix touches TensorFlow or Keras names that are not public.
+
+Each use says why no public name does the job. Nothing else in kmix may import
+`keras.src` (within this package, only `keras_src` does) or `tf.__internal__`.
+The names are grouped by what they reach into: `layers` (the layer tree,
+functional graphs, a variable's storage),
+`optimizer` (Keras optimizers), `trainer` (Keras's TensorFlow trainer, which
+kmix patches for multi-worker fit and multi-step runs) and `runtime`
+(oneDNN, profiler traces); callers use them as `_compat.<name>`.
+"""
+
+from kmix._compat.layers import (
+    built_input_shapes,
+    graph_nodes,
+    is_functional,
+    node_call,
+    node_inputs,
+    producer,
+    recast_variable,
+    set_node_arguments,
+    sublayers,
+)
+from kmix._compat.optimizer import (
+    adam_slots,
+    learning_rate_object,
+    model_building,
+    no_automatic_dependency_tracking,
+    optimizer_variable_key,
+    strategy_supports_no_merge_call,
+    take_gradients_as_reduced,
+)
+from kmix._compat.runtime import onednn_enabled, xplane_proto
+from kmix._compat.trainer import (
+    autoconvert_optionals,
+    keras_make_function,
+    keras_multi_worker_bugs,
+    keras_reduce_per_replica,
+    keras_steps_in_cond,
+    keras_symbolic_build,
+    model_distribute_strategy,
+    set_keras_make_function,
+    set_keras_reduce_per_replica,
+    set_keras_symbolic_build,
+    set_optional_spec,
+)
+
+__all__ = [
+    "adam_slots",
+    "autoconvert_optionals",
+    "built_input_shapes",
+    "graph_nodes",
+    "is_functional",
+    "keras_make_function",
+    "keras_multi_worker_bugs",
+    "keras_reduce_per_replica",
+    "keras_steps_in_cond",
+    "keras_symbolic_build",
+    "learning_rate_object",
+    "model_building",
+    "model_distribute_strategy",
+    "no_automatic_dependency_tracking",
+    "node_call",
+    "node_inputs",
+    "onednn_enabled",
+    "optimizer_variable_key",
+    "producer",
+    "recast_variable",
+    "set_keras_make_function",
+    "set_keras_reduce_per_replica",
+    "set_keras_symbolic_build",
+    "set_node_arguments",
+    "set_optional_spec",
+    "strategy_supports_no_merge_call",
+    "sublayers",
+    "take_gradients_as_reduced",
+    "xplane_proto",
+]

@@ -1,0 +1,108 @@
+"""Keras optimizers' private names: loss scaling, master weights, fused Adam, replicas."""
+
+import tensorflow as tf
+
+from kmix._compat import keras_src
+
+
+def strategy_supports_no_merge_call():
+    """Whether the current `tf.distribute` strategy runs updates without `merge_call`.
+
+    Keras's own optimizers branch on exactly this (through the same
+    `tf.__internal__` name): under `MirroredStrategy` on CPUs, or without XLA,
+    an optimizer update must go through `ReplicaContext.merge_call`, and a
+    `tf.cond` in replica context may not contain one. Under XLA on GPUs there
+    is no merge call, and calling one fails. There is no public predicate.
+    """
+    return tf.__internal__.distribute.strategy_supports_no_merge_call()
+
+
+def no_automatic_dependency_tracking(fn):
+    """Keras's decorator that stops attribute assignment from tracking variables.
+
+    An optimizer's `build` keeps a list of the *model's* variables; assigned
+    to an attribute normally, Keras's tracker would adopt them as optimizer
+    variables (saved twice, counted as slots). Keras's own optimizers wrap
+    `build` in this private decorator; there is no public equivalent.
+    """
+    return keras_src.tracking().no_automatic_dependency_tracking(fn)
+
+
+def learning_rate_object(optimizer):
+    """The learning-rate object a Keras optimizer holds: a variable, a schedule or a callable.
+
+    Keras has no public accessor for it: `optimizer.learning_rate` evaluates a
+    schedule, and `get_config()` returns a serialized copy (which fails for an
+    unregistered schedule). kmix's callbacks need the object itself to wrap a
+    schedule (warm-up, NaNGuard's rate cut), so this reads the private
+    `_learning_rate`; the public setter `optimizer.learning_rate = ...`
+    changes it.
+    """
+    return optimizer._learning_rate
+
+
+def optimizer_variable_key(optimizer, variable):
+    """The key a Keras optimizer files `variable` under (its slots are looked up by it).
+
+    `master_weights="kahan"` must recognise the model variables among the
+    writes of the inner optimizer's `update_step`; under `tf.distribute` those
+    writes receive the strategy's per-replica variable, not the
+    `keras.Variable`, and only Keras's private `_var_key` maps both to the same
+    key. There is no public equivalent.
+    """
+    return optimizer._var_key(variable)
+
+
+def take_gradients_as_reduced(optimizer):
+    """Makes a Keras optimizer apply the gradients it is given without all-reducing them.
+
+    `kmix.LossScaleOptimizer(..., allreduce_dtype=...)` sums the gradients over
+    the replicas itself, in float16 or bfloat16, and checks the sums; the
+    inner optimizer must not sum them a second time. Keras 3's TensorFlow
+    optimizer all-reduces inside `_backend_update_step` through its private
+    method `_all_reduce_sum_gradients` and has no public switch (tf.keras's
+    `apply_gradients(..., skip_gradients_aggregation=True)` is gone). This
+    replaces that method on this one instance (its class and other optimizers
+    keep Keras's), for good: its owner reduces every gradient it hands over.
+    Keras's TF optimizer filters None gradients before calling it.
+    """
+    optimizer._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
+
+
+def model_building(optimizer, depth=8):
+    """The `keras.Model` whose trainer is building `optimizer` right now, or None.
+
+    `model.fit` builds the optimizer from `model.trainable_variables` alone (in
+    Keras's private `Trainer._symbolic_build`, or in the first traced
+    `train_step`) and hands it nothing else, while a loss-scale optimizer that
+    undoes a skipped step needs the model's non-trainable variables too. No
+    public name links an optimizer to the model compiled with it, so this
+    looks up the calling frames for a method of a `keras.Model` whose
+    `optimizer` is `optimizer`. Custom loops pass the model explicitly
+    (`LossScaleOptimizer.track(model)`).
+    """
+    import sys
+
+    import keras
+
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.Model) and getattr(owner, "optimizer", None) is optimizer:
+            return owner
+    return None
+
+
+def adam_slots(optimizer, variable):
+    """`(momentum, velocity)`: a Keras `Adam` / `AdamW`'s two slot variables for `variable`.
+
+    kmix's fused Adam update (kmix/optimizers/fused_adam.py) hands them to
+    TensorFlow's `ResourceApplyAdam`. Keras keeps them in the private lists
+    `_momentums` / `_velocities`, indexed by its private `_get_variable_index`,
+    which its own `update_step` uses; no public name maps a variable to its slots.
+    """
+    index = optimizer._get_variable_index(variable)
+    return optimizer._momentums[index], optimizer._velocities[index]
