@@ -119,10 +119,11 @@ def hand_time(model, x, y, routes, rounds, steps):
     return seconds
 
 
-def trial(size, batch_size, budget_s, hand_rounds, hand_steps, probe_shape=None):
+def trial(size, batch_size, budget_s, hand_rounds, hand_steps, probe_shape=None, dtypes=None):
     """One fresh run: recommend, the other tie rule on its table, and the hand-timed routes. A dict.
 
-    `probe_shape`: the probe's `(m, k, n)` (None: recommend's default probe, as a user gets it).
+    `probe_shape`: the probe's `(m, k, n)` (None: recommend's default probe, as a user gets it);
+    `dtypes`: recommend's (None: the probe chooses, as for a user).
     """
     import statistics
 
@@ -137,6 +138,8 @@ def trial(size, batch_size, budget_s, hand_rounds, hand_steps, probe_shape=None)
     kwargs = {} if budget_s is None else {"budget_s": budget_s}
     if probe_shape is not None:
         kwargs["probe"] = kmix.device.probe(tuple(probe_shape), budget=0.02)
+    if dtypes is not None:
+        kwargs["dtypes"] = tuple(dtypes)
     rec = kmix.recommend(model, x, y, batch_size=batch_size, verbose=False, **kwargs)
     seconds = time.perf_counter() - begin
     table = rec.table
