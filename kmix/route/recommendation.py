@@ -262,7 +262,7 @@ def decide_routes(table, probe, gpus, cpu, onednn=None, tie="median"):
 
 def _interval(gain):
     """`"between 0.95x and 1.30x round by round"`: a ratio's confidence interval."""
-    return f"between {gain.low:.2f}x and {gain.high:.2f}x round by round, {timing.CONFIDENCE:.0%} each side"
+    return f"between {gain.low:.2f}x and {gain.high:.2f}x round by round, at least {timing.CONFIDENCE:.0%} each side"
 
 
 def _recommendation(dtype, jit, reasons, probe, table=None):
