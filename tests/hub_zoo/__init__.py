@@ -9,6 +9,6 @@ Calling a builder twice builds the same architecture, so the weights of one
 build load into another (`set_weights`).
 """
 
-from tests.hub_zoo import decoders, encoders, vision
+from tests.hub_zoo import decoders, encoders, multimodal, vision
 
-ZOO = {**decoders.BUILDERS, **encoders.BUILDERS, **vision.BUILDERS}
+ZOO = {**decoders.BUILDERS, **encoders.BUILDERS, **vision.BUILDERS, **multimodal.BUILDERS}
