@@ -149,7 +149,7 @@ def _t5_regression():
     return model, x, rng.normal(size=(BATCH, SEQ, 1)).astype("float32")
 
 
-def test_t5_trains_under_o1_float16_in_one_call_with_xla():
+def test_t5_trains_under_o1_float16_in_one_call():
     model, x, y = _t5_regression()
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
     expected = model.predict(x, verbose=0)
@@ -172,7 +172,7 @@ def test_t5_trains_under_o1_float16_in_one_call_with_xla():
 
     with kmix.policy_scope("O1"):
         optimizer = kmix.wrap(keras.optimizers.Adam(1e-3))
-        new.compile(optimizer=optimizer, loss="mse", jit_compile=True)
+        new.compile(optimizer=optimizer, loss="mse", jit_compile=False)  # XLA: test_autocast_routes, test_real_models
     history = new.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history["loss"]
     reference = float32_model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history["loss"]
 

@@ -33,8 +33,7 @@ DEFAULT = [
     ("Qwen3MoeBackbone", "float16"),
     # Sinusoidal timestep embeddings (in half, 0.4 of the output away), blocks without `dtype=`.
     ("FluxBackbone", "bfloat16"),
-    # Plain decoder and encoder stacks.
-    ("LlamaBackbone", "float16"),
+    # A plain encoder stack.
     ("BertBackbone", "float16"),
     # Vision: a norm feeding raw ops inside a block (SegFormer's MiT), a convolutional
     # pyramid with batch norms, and a two-tower model whose graph holds ops nodes.
