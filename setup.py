@@ -27,9 +27,10 @@ setup(
         "matplotlib",
     ],
     extras_require={
+        # pytest-xdist: the suite on 2 processes, a test file each (-n 2 --dist loadfile);
         # tensorboard: the TensorBoard callback test; keras-hub: autocast on real backbones
         # (built from constructor arguments: no presets, no downloads).
-        "test": ["pytest>=7", "absl-py", "tensorboard", "keras-hub>=0.20"],
+        "test": ["pytest>=7", "pytest-xdist", "absl-py", "tensorboard", "keras-hub>=0.20"],
     },
     entry_points={"console_scripts": ["kmix=kmix.__main__:main"]},
     classifiers=[
