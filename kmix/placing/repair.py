@@ -21,9 +21,9 @@ import re
 
 from kmix._tree import is_graph_model, resolved_policy, walk
 from kmix.placing import place, trace
+from kmix.placing.rules import ISLAND_REASONS
 
 TRIES = 8  # placements changed at most, one per symbolic call, before giving up
-_RULE_ISLANDS = ("normalization", "router", "sinusoidal")  # the reasons of float32 islands the rules make
 
 
 class Repaired:
@@ -75,7 +75,7 @@ def repair(model, specs, plan):
                 sub for sub in plan.subtree(block)
                 if id(sub) not in repaired.relaxed and sub.compute_dtype == "float32"
                 and reasons.get(id(sub), (None, ""))[0] == "float32"
-                and reasons[id(sub)][1].startswith(_RULE_ISLANDS)
+                and reasons[id(sub)][1].startswith(ISLAND_REASONS)
             ]
             if islands:
                 for island in islands:

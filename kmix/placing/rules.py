@@ -205,6 +205,10 @@ class Plan(list):
         return [row[1] for row in self if row[0].startswith(prefix + "/")]
 
 
+# How the reasons of the float32 islands the rules make begin (normalization in a block, a
+# mixture-of-experts router, a sinusoidal embedding): `repair` lets these give way to their block.
+ISLAND_REASONS = ("normalization", "router", "sinusoidal")
+
 _FOLLOW = object()  # `_place`'s answer for a weightless layer inside a block
 
 
