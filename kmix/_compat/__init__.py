@@ -6,7 +6,8 @@ The names are grouped by what they reach into: `layers` (the layer tree,
 functional graphs, a variable's storage),
 `optimizer` (Keras optimizers), `trainer` (Keras's TensorFlow trainer, which
 kmix patches for multi-worker fit and multi-step runs) and `runtime`
-(oneDNN, profiler traces); callers use them as `_compat.<name>`.
+(oneDNN, profiler traces), `stateless` (a model built without weights, run on
+another's variables); callers use them as `_compat.<name>`.
 """
 
 from kmix._compat.layers import (
@@ -30,6 +31,7 @@ from kmix._compat.optimizer import (
     take_gradients_as_reduced,
 )
 from kmix._compat.runtime import onednn_enabled, xplane_proto
+from kmix._compat.stateless import stateless
 from kmix._compat.trainer import (
     autoconvert_optionals,
     keras_make_function,
@@ -71,6 +73,7 @@ __all__ = [
     "set_node_arguments",
     "set_optional_spec",
     "strategy_supports_no_merge_call",
+    "stateless",
     "sublayers",
     "take_gradients_as_reduced",
     "xplane_proto",

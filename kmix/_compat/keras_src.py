@@ -25,3 +25,10 @@ def tensorflow_trainer():
     from keras.src.backend.tensorflow import trainer
 
     return trainer
+
+
+def global_state():
+    """Keras's `keras.src.backend.common.global_state` module (its process-wide attributes)."""
+    from keras.src.backend.common import global_state as module
+
+    return module

@@ -22,12 +22,17 @@ import warnings
 
 import keras
 
+from kmix import _compat
 from kmix._tree import is_auto_named, own_weights, resolved_policy, snake_case, walk
 from kmix.placing.rules import saved_layers
 
 
 def reloaded(model, global_policy=None):
-    """`model` built from its config as `load_model` builds it (no weights), or the error why not.
+    """`model` built from its config as `load_model` builds it, without weights, or the error why not.
+
+    The twin's variables have no storage (built in a `keras.StatelessScope`):
+    `run` computes with it on the model's own variables. A model Keras cannot
+    build so (a variable made from a constant) is built with weights.
 
     Args:
         model: a built model.
@@ -43,12 +48,34 @@ def reloaded(model, global_policy=None):
         config.pop("compile_config", None)
         with keras.saving.custom_object_scope(user_classes(model)), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Keras's build warnings were shown when the model was made
+            try:
+                with _compat.stateless():  # no weights: `run` computes on the model's own
+                    return keras.saving.deserialize_keras_object(config, safe_mode=False), None
+            except Exception:  # noqa: BLE001  a layer that cannot be built statelessly: built with weights
+                pass
             # safe_mode=False: a Lambda's function is the user's own, from this process.
             return keras.saving.deserialize_keras_object(config, safe_mode=False), None
     except Exception as e:  # noqa: BLE001  any failure here is reported, never raised from autocast
         return None, e
     finally:
         keras.config.set_dtype_policy(previous)
+
+
+def run(twin, model, x):
+    """`twin(x)` computed on `model`'s own variables (no copy), or None where they do not pair.
+
+    The variables pair by position, as `set_weights` pairs them: all the
+    variables (seed states included) where both have as many, else the weights.
+    """
+    mapping = None
+    for ours, theirs in ((model.variables, twin.variables), (model.weights, twin.weights)):
+        if len(ours) == len(theirs) and all(tuple(a.shape) == tuple(b.shape) for a, b in zip(ours, theirs)):
+            mapping = list(zip(theirs, ours))
+            break
+    if mapping is None:
+        return None  # a layer saved otherwise (a merged LoRA): not comparable
+    with _compat.stateless(mapping):
+        return twin(x, training=False)
 
 
 def differences(model, copy):
