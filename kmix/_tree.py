@@ -73,3 +73,26 @@ def snake_case(class_name):
     name = re.sub(r"\W+", "", class_name)
     name = re.sub("(.)([A-Z][a-z]+)", r"\1_\2", name)
     return re.sub("([a-z])([A-Z])", r"\1_\2", name).lower()
+
+
+def pair(root, twin, by_path=False):
+    """`[(path, layer, parent, its twin or None)]` for `root` and each layer inside it, `root` first.
+
+    A twin is a model built from `root`'s config: its layers pair with
+    `root`'s by position in `walk` when both have as many. Where they do
+    not, by path relative to each root with `by_path`, else none pairs.
+    `root`'s row has its name as path.
+    """
+    ours = [(root.name, root, None)] + list(walk(root))
+    theirs = [(twin.name, twin, None)] + list(walk(twin)) if twin is not None else []
+    if len(ours) == len(theirs):
+        return [(path, layer, parent, other[1]) for (path, layer, parent), other in zip(ours, theirs)]
+    if not by_path:
+        return [(path, layer, parent, None) for path, layer, parent in ours]
+    found = {_relative(layer.path or path, twin): layer for path, layer, _ in theirs}
+    return [(path, layer, parent, found.get(_relative(layer.path or path, root))) for path, layer, parent in ours]
+
+
+def _relative(path, root):
+    prefix = f"{root.name}/"
+    return path[len(prefix):] if path and path.startswith(prefix) else path

@@ -1,20 +1,20 @@
 """`kmix.autocast(model)`: the user's own model, each layer placed by precision, in place.
 
-One pipeline, read top to bottom in `autocast`, each step a module of this package:
+One loop, read top to bottom in `autocast`, each step a module of this package:
 
-1. plan (`rules`): the rules give every layer a policy, walking the layer
-   tree once into rows `(path, layer, policy, reason)` (`rules.Plan`), with
-   the float32 islands the user names and, with `sample=`, those a
-   diagnosis of the sample finds, before anything runs in half;
+1. plan (`rules`): the rules give every layer a `rules.Row` (policy, `Kind`,
+   reason), walking the layer tree once, with the float32 islands the user
+   names and, with `sample=`, those a diagnosis of the sample finds;
 2. place (`place`): each layer takes its policy on itself: no copy, no
    weights moved;
-3. settle (`settle`): the model built from its config as
-   `keras.models.load_model` builds it; the model in memory made to compute
-   what that model computes (policy maps, the rebuilt graph's constants),
-   checked bit for bit;
-4. repair (`repair`): one symbolic call; where two dtypes meet in a block,
-   the rules' islands inside it give way to the block, or the block goes
-   float32; then settle again.
+3. twin (`settle`): a twin of the placed model built from its config as
+   `keras.models.load_model` builds it, without weights; the model made to
+   compute what the twin computes (policy maps, the rebuilt graph's constants);
+4. check (`repair`): one call of the placed model; where two dtypes meet in
+   a block, the plan gives way (the rules' islands inside it, or the block
+   goes float32), and step 3 again;
+5. the twin, run on the model's own variables, must predict bit for bit
+   what the model predicted in step 4 (`settle.compare`).
 """
 
 import collections
@@ -27,10 +27,10 @@ from kmix.diagnose import islands
 from kmix.placing import place, reload, repair, settle, trace
 from kmix.policy import advice
 from kmix._tree import is_graph_model, resolved_policy, walk
-from kmix.placing.rules import Rules
+from kmix.placing.rules import Kind, Rules
 from kmix.policy.policy import Policy
 
-_ROUNDS = 3  # repair-and-settle rounds at most
+_ROUNDS = 3  # checks that change the plan, at most, each followed by a new twin
 
 Placement = collections.namedtuple("Placement", "layer cls before after reason")
 Placement.__doc__ = """One row of `autocast`'s table: a layer's path and class, its policy
@@ -60,145 +60,98 @@ class AutocastTable(list):
 
 def autocast(model, policy="O1", float32_layers=None, verbose=False, return_table=False, sample=None,
              copy=False):
-    """Places each layer of `model` by precision, in place, and returns `model`.
+    """Places each layer of `model` by precision, in place (half matmuls, float32 islands); returns `model`.
 
-    Like Apex's `amp.initialize`, it configures the model you have: each
-    layer takes its policy on itself (Keras layers' settable `dtype_policy`),
-    so your handles on the model and its layers (a `base_model` to unfreeze,
-    a LoRA-enabled backbone, a subclassed model's attributes) stay valid, and
-    Keras's compiled train / test / predict functions are reset to see it.
-    Under a policy with half compute (O1, O2, `"mixed_float16"`, ...):
-
-    - half (`policy.to_keras()`): `Dense`, `EinsumDense`, convolutions,
-      `Embedding`, attention projections, and every layer not listed below;
-    - kmix's safe classes: a `keras.layers.Softmax` becomes a
-      `kmix.layers.Softmax` and a `keras.layers.MultiHeadAttention` a
-      `kmix.layers.MultiHeadAttention` (the same object, weights and
-      arguments; where they are layers of the model's graph);
-    - float32: normalization layers (their variables too, batch-norm
-      statistics included, under O2), `Activation("softmax")` /
-      `Activation("log_softmax")` (and any layer whose `activation` is one
-      of these), the layers producing the model's outputs (looking through
-      `keras.ops` nodes and nested models; for a subclassed model, found by
-      one symbolic call), `float32_layers`, and with `sample` the layers a
-      diagnosis of the sample finds overflowing;
-    - inside a block (a custom layer, a keras-hub transformer layer), a
-      layer without variables follows its block, as the block makes it; a
-      normalization computes its statistics in float32 (one that casts to
-      float32 inside keeps the block's dtype with float32 variables, so its
-      output still adds to the block's raw tensors; one that squares in
-      half, keras-hub's `T5LayerNorm`, computes in float32).
-
-    Under O2 / O3 the variables of half layers become half (the same
-    variable objects); where that is not safe (a built optimizer holds
-    state for them, or they were made under a `tf.distribute` strategy) a
-    copy is placed instead, with a warning. Under a pure-half policy (O3,
-    `"float16"`) every layer is half except `float32_layers`; under float32
-    compute (O0) every layer is float32. `kmix.layers.WithPolicy` layers
-    keep their policy.
-
-    Two more float32 islands: the router of a mixture of experts (its
-    softmax and top-k choose the experts; Mixtral, Qwen-MoE, GPT-OSS) and a
-    sinusoidal timestep embedding (Flux, SD3).
-
-    A layer whose `call` fails in half (a custom layer adding float32 noise
-    with a raw TensorFlow op) is found by one symbolic call of the placed
-    model and kept in float32, with one warning naming it; where the clash
-    is a rule's island inside a block whose raw arithmetic needs one dtype,
-    the island computes as its block instead. What trains is what reloads:
-    the model is built from its config as `keras.models.load_model` builds
-    it, blocks that re-create their layers get the placement in their dtype
-    (a `keras.dtype_policies.DTypePolicyMap`, as keras-hub does for
-    quantized layers), a layer its block makes with a dtype of its own
-    computes so, the constants a constructor baked into a functional graph
-    are taken as the reload makes them, and the two models must predict bit
-    for bit the same. What a reload cannot rebuild (layers made without
-    `dtype=` take the global policy when loaded) is named in one warning
-    saying how to reload the model.
+    Each layer takes its policy on itself, as Apex's `amp.initialize` does:
+    half compute for matmuls, convolutions and embeddings; float32 for
+    normalization, softmax, mixture-of-experts routers, timestep embeddings
+    and the layers producing the outputs. A twin of the placed model is built
+    from its config without weights and run on the model's own variables:
+    the model is made to predict bit for bit what `keras.models.load_model`
+    rebuilds, or a warning says why not. The rules, the table and what a
+    reload keeps: docs/guide.md, "Where an opt level's placement comes from".
 
     Args:
-        model: a built `keras.Model`: Sequential, functional, subclassed,
-            nested, keras-hub backbones and tasks, with LoRA or custom
-            layers (registered or not).
+        model: a built `keras.Model` (Sequential, functional, subclassed, keras-hub).
         policy: anything `kmix.Policy` accepts; `"O1"` by default.
-        float32_layers: layer classes and/or layer names to keep in float32
-            as well; a block's or nested model's name covers its inside. A
-            path as the table's `layer` column shows it names one layer
-            where several share a name (`"t5/decoder_0/self_attention"`).
-        verbose: print the table of layer, class, policy before and after.
-        return_table: also return the table (an `AutocastTable` of
-            `Placement(layer, cls, before, after, reason)` rows).
-        sample: a batch `(x, y)` (arrays, tensors, or lists / dicts of them),
-            or a `tf.data.Dataset` whose first batch is used; `model` must
-            be compiled with its loss. `kmix.diagnose` runs the float32
-            model and its half-precision self on it first: the layers that
-            overflow (or hold a `-1e9` mask) are kept in float32 (the table's
-            `why` says `sample: ...`), and the initial loss scale it advises
-            is recorded for the model's variables, so that `kmix.wrap(opt)`
-            (without `initial_scale=`) starts from it when the optimizer is
-            built. Ignored under float32 compute.
-        copy: place and return a copy (as `keras.models.load_model` gives
-            the model back, weights included), leaving `model` as it is.
+        float32_layers: layer classes, names or paths (as the table shows
+            them) to keep in float32 as well, with everything inside them.
+        verbose: print the table of layer, class, policy before and after, why.
+        return_table: also return the table (an `AutocastTable` of `Placement`s).
+        sample: a batch `(x, y)` or a `tf.data.Dataset`, for a model compiled
+            with its loss: the layers `kmix.diagnose` finds overflowing on it
+            stay float32, and `kmix.wrap` starts from the loss scale it advises.
+        copy: place and return a copy (as `load_model` gives it back) instead.
 
     Returns:
-        `model` itself (a copy with `copy=True`), or `(model, table)` with
-        `return_table=True`. The global policy is left as it was: compile
-        inside `kmix.policy_scope(policy)` so that `kmix.wrap` picks the
-        loss scaling and master weights the policy needs.
+        `model` itself (a copy with `copy=True`, or where its variables
+        cannot change dtype in place, with a warning), or `(model, table)`
+        with `return_table=True`.
 
     Raises:
-        TypeError: for a `model` that is not a `keras.Model`.
-        ValueError: for an unbuilt model, or a name in `float32_layers` that
-            is no layer of the model.
-        TypeError / ValueError: naming `sample`, for a sample that is not a
-            batch `(x, y)` or a dataset, or a model not compiled with a loss.
+        TypeError / ValueError: naming `model`, `float32_layers` or `sample`.
 
     Example:
 
     >>> model = kmix.autocast(model, "O1", float32_layers=["logits"])   # the same object
     >>> with kmix.policy_scope("O1"):
     ...     model.compile(optimizer=kmix.wrap("adam"), loss="mse")
-    >>> base_model.trainable = True       # your handles still reach the placed layers
     """
     policy = Policy(policy)
     _check_model(model)
     advised = islands.advise(model, policy, sample) if sample is not None else None
-    given = float32_layers
-    if advised is not None:
-        float32_layers = islands.merge(float32_layers, list(advised.targets))
-    rules = Rules(policy, float32_layers)
+    rules = Rules(policy, islands.merge(float32_layers, list(advised.targets)) if advised else float32_layers)
     specs = trace.input_specs(model, advised.x if advised is not None else None)
-    plan = _plan(rules, model, specs)
-    blocker = place.recast_blocker(model, plan)
-    if copy or blocker:
-        if blocker and not copy:
-            warnings.warn(
-                f"kmix.autocast({policy.name!r}) changes the dtype of model {model.name!r}'s variables, "
-                f"and {blocker}: it placed a copy instead, which it returns. Train the returned model, "
-                "or call autocast before compiling (or outside the strategy's scope).",
-                stacklevel=2,
-            )
-        model = reload.copy_model(model)
-        plan = _plan(rules, model, specs)
-    before = {id(layer): (resolved_policy(layer).name, type(layer)) for _, layer, _, _ in plan}
+    model, plan = _model_and_plan(model, rules, specs, copy)
+    before = {id(row.layer): (resolved_policy(row.layer).name, type(row.layer)) for row in plan}
 
     place.place(plan)
-    settled = settle.settle(model, specs, rules.default.name)
-    repaired = repair.Repaired()
-    for _ in range(_ROUNDS):  # what repair changes, a reload must make too; settling may move a layer
-        changed = repair.repair(model, specs, plan)
+    settled, repaired, outputs = settle.settle(model, specs, rules.default.name), repair.Repaired(), None
+    for _ in range(_ROUNDS):  # check; where the plan gives way, a new twin for the new plan
+        changed, outputs = repair.repair(model, specs, plan)
         if not changed:
             break
         repaired.update(changed)
         settled = settle.settle(model, specs, rules.default.name, settled.holders)
+    settle.compare(model, settled, specs, outputs)
+
     _warn_repaired(repaired, plan)
     if advised is None and policy.compute_dtype == "float16":
-        _check_finite_made_up(model, specs)
+        _check_finite_made_up(model, specs, outputs)
     settle.warn(model, settled, stacklevel=3)
     place.reset_compiled_functions(model)
+    table = _table(plan, before, repaired, settled)
+    if advised is not None:
+        _explain(table, plan, advised.targets, float32_layers)
+        _check_finite(model, advised)
+    advice.record_model(model, advised and advised.initial_scale, policy.name)  # what kmix.wrap reads
+    if verbose:
+        print(table)
+    return (model, table) if return_table else model
 
+
+def _model_and_plan(model, rules, specs, copy):
+    """The model to place (a copy with `copy`, or where its variables cannot change dtype) and its plan."""
+    plan = _plan(rules, model, specs)
+    blocker = place.recast_blocker(model, plan)
+    if not (copy or blocker):
+        return model, plan
+    if blocker and not copy:
+        warnings.warn(
+            f"kmix.autocast({rules.policy.name!r}) changes the dtype of model {model.name!r}'s variables, "
+            f"and {blocker}: it placed a copy instead, which it returns. Train the returned model, "
+            "or call autocast before compiling (or outside the strategy's scope).",
+            stacklevel=3,
+        )
+    model = reload.copy_model(model)
+    return model, _plan(rules, model, specs)
+
+
+def _table(plan, before, repaired, settled):
+    """The `AutocastTable`: each row's placement, and why (the plan's reason, what the checks changed)."""
     table = AutocastTable()
-    for path, layer, _, reason in plan:
+    for row in plan:
+        layer, reason = row.layer, row.reason
         old, old_cls = before[id(layer)]
         cls = old_cls.__name__
         if type(layer) is not old_cls:
@@ -211,15 +164,8 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
             reason += f" (planned {settled.adopted[id(layer)][1]}: its block makes it so)"
         if id(layer) in settled.unplaced:
             reason += f" (a reload gives {settle.describe_policy(settled.unplaced[id(layer)][2])})"
-        table.append(Placement(path, cls, old, resolved_policy(layer).name, reason))
-    if advised is not None:
-        _explain(table, advised.targets, given)
-        _check_finite(model, advised)
-    # What kmix.wrap reads when the optimizer is built: compute dtypes, and the advised scale.
-    advice.record_model(model, advised and advised.initial_scale, policy.name)
-    if verbose:
-        print(table)
-    return (model, table) if return_table else model
+        table.append(Placement(row.path, cls, old, resolved_policy(layer).name, reason))
+    return table
 
 
 def _check_model(model):
@@ -261,7 +207,7 @@ def _warn_repaired(repaired, plan):
     """One warning naming what the symbolic call changed: blocks kept in float32, islands relaxed."""
     if not repaired:
         return
-    paths = {id(layer): path for path, layer, _, _ in plan}
+    paths = {id(row.layer): row.path for row in plan}
     parts = []
     if repaired.kept:
         parts.append(
@@ -277,20 +223,23 @@ def _warn_repaired(repaired, plan):
     warnings.warn("kmix.autocast " + "; it ".join(parts) + ".", stacklevel=3)
 
 
-def _check_finite_made_up(model, specs):
+def _check_finite_made_up(model, specs, outputs=None):
     """Warns where the float16 model's outputs are not finite on inputs made from its specs.
 
     Made-up inputs (ones for token ids, normal values) are no data, but a
     model overflowing on them (T5 squares activations past 65504; a block
-    fills its mask with -1e9) overflows on real data too.
+    fills its mask with -1e9) overflows on real data too. `outputs`: the
+    check's, on those inputs, where it ran on the placement as it is.
     """
     if specs is None:
         return
     try:
-        with trace.untouched(model):
-            outputs = keras.tree.flatten(model(trace.sample_inputs(specs), training=False))
+        if outputs is None:
+            with trace.untouched(model):
+                outputs = model(trace.sample_inputs(specs), training=False)
     except Exception:  # noqa: BLE001  the model cannot run on made-up inputs: no verdict
         return
+    outputs = keras.tree.flatten(outputs)
     floats = [keras.ops.convert_to_numpy(o) for o in outputs
               if keras.backend.is_float_dtype(keras.backend.standardize_dtype(o.dtype))]
     if all(np.all(np.isfinite(o)) for o in floats):
@@ -304,12 +253,12 @@ def _check_finite_made_up(model, specs):
     )
 
 
-def _explain(table, targets, given):
+def _explain(table, plan, targets, given):
     """The `why` of the rows the sample put in float32: `sample: <finding>`."""
     given = {item for item in islands.as_list(given) if isinstance(item, str)}
-    for i, row in enumerate(table):
-        if not row.reason.startswith("float32_layers"):
-            continue
+    for i, (row, planned) in enumerate(zip(table, plan)):
+        if planned.kind is not Kind.NAMED or not row.reason.startswith(planned.reason):
+            continue  # not named, or kept in float32 by the check
         parts = row.layer.split("/")
         for target, finding in targets.items():
             if target in given:
@@ -318,7 +267,7 @@ def _explain(table, targets, given):
             inside = row.layer.startswith(target + "/") if "/" in target else target in parts[:-1]
             if own or inside:
                 why = f"sample: {finding}" if own else f"sample: in {target}"
-                table[i] = row._replace(reason=why + row.reason[len("float32_layers"):])
+                table[i] = row._replace(reason=why + row.reason[len(planned.reason):])
                 break
 
 

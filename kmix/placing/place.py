@@ -15,23 +15,22 @@ import tensorflow as tf
 
 from kmix import _compat
 from kmix._tree import own_weights, resolved_policy
-from kmix.placing.rules import safe_replacements
+from kmix.placing.rules import Kind, safe_replacements
 
 
 def place(plan):
     """Sets the policy `plan` gives each layer on the layer itself; swaps in kmix's safe classes.
 
     Args:
-        plan: `Rules.plan(model)` rows `(path, layer, policy name or None, reason)`;
-            parents come before the layers inside them.
+        plan: a `rules.Plan`; parents come before the layers inside them.
     """
     swaps = safe_replacements()
-    for _, layer, dtype, reason in plan:
-        if dtype is None:
+    for row in plan:
+        if row.dtype is None:
             continue
-        if reason == "kmix safe layer" and type(layer) in swaps:
-            swap_class(layer, swaps[type(layer)])
-        set_policy(layer, dtype)
+        if row.kind is Kind.SAFE_CLASS and type(row.layer) in swaps:
+            swap_class(row.layer, swaps[type(row.layer)])
+        set_policy(row.layer, row.dtype)
 
 
 def set_policy(layer, dtype):
@@ -77,9 +76,9 @@ def recast_blocker(model, plan):
     their storage would leave those behind.
     """
     changes = [
-        layer for _, layer, dtype, _ in plan
-        if dtype is not None and own_weights(layer)
-        and keras.DTypePolicy(dtype).variable_dtype != resolved_policy(layer).variable_dtype
+        row.layer for row in plan
+        if row.dtype is not None and own_weights(row.layer)
+        and keras.DTypePolicy(row.dtype).variable_dtype != resolved_policy(row.layer).variable_dtype
     ]
     if not changes:
         return None
@@ -99,8 +98,10 @@ def reset_compiled_functions(model):
 
 
 def is_constant(value):
+    """A float tensor (not a variable): what a layer may hold as an attribute, computed when built."""
     return (
-        keras.ops.is_tensor(value)
+        hasattr(value, "dtype")  # quick: most attributes are no tensor
+        and keras.ops.is_tensor(value)
         and not isinstance(value, keras.Variable)
         and not isinstance(value, tf.Variable)
         and keras.backend.is_float_dtype(keras.backend.standardize_dtype(value.dtype))

@@ -23,7 +23,7 @@ import warnings
 import keras
 
 from kmix import _compat
-from kmix._tree import is_auto_named, own_weights, resolved_policy, snake_case, walk
+from kmix._tree import is_auto_named, own_weights, pair, resolved_policy, snake_case, walk
 from kmix.placing.rules import saved_layers
 
 
@@ -85,19 +85,12 @@ def differences(model, copy):
     its call). Layers are matched by position in `walk` when both have as
     many, else by path.
     """
-    ours = [(model.name, model, None)] + list(walk(model))  # the model's own policy counts too
-    theirs = [(copy.name, copy, None)] + list(walk(copy))
-    if len(ours) == len(theirs):
-        pairs = [(a, b) for a, b in zip(ours, theirs)]
-    else:
-        by_path = {_relative(layer.path or path, copy): (path, layer, parent) for path, layer, parent in theirs}
-        pairs = [(row, by_path.get(_relative(row[1].path or row[0], model))) for row in ours]
     found = {}
-    for (path, layer, _), other in pairs:
+    for path, layer, _, twin in pair(model, copy, by_path=True):  # the model's own policy counts too
         mine = describe(layer)
-        got = describe(other[1]) if other is not None else "no such layer"
+        got = describe(twin) if twin is not None else "no such layer"
         if mine != got:
-            found[id(layer)] = (layer, path, mine, got, other[1] if other is not None else None)
+            found[id(layer)] = (layer, path, mine, got, twin)
     return found
 
 
@@ -160,11 +153,10 @@ def _entries(model, copy):
     each auto-named step of its path is its class's name with any counter,
     where every layer that pattern covers has one policy.
     """
-    ours, theirs = list(walk(model)), list(walk(copy)) if copy is not None else []
-    twins = [row[1] for row in theirs] if len(theirs) == len(ours) else [None] * len(ours)
-    by_path = {layer.path: layer for _, layer, _ in ours + theirs if layer.path}
+    rows = pair(model, copy)[1:]  # the layers inside the model, with their twins
+    by_path = {layer.path: layer for _, layer, _, twin in rows for layer in (layer, twin) if layer and layer.path}
     entries, patterns = {}, {}
-    for (_, layer, _), twin in zip(ours, twins):
+    for _, layer, _, twin in rows:
         policy = resolved_policy(layer)
         for path in [p for p in (layer.path, getattr(twin, "path", None)) if p]:
             key = _path_pattern(path, by_path)
@@ -211,7 +203,7 @@ def copy_model(model):
                 "the model itself (copy=False, the default) and keep the float32 weights with "
                 "`model.get_weights()` if you need them."
             ) from e
-    for (_, old, _), (_, new, _) in zip(walk(model), walk(copy)):
+    for _, old, _, new in pair(model, copy):
         if isinstance(old, keras.layers.Lambda) and isinstance(new, keras.layers.Lambda):
             new.function = old.function  # the original object, with its closure
     return copy
@@ -251,7 +243,3 @@ def _default(model):
         counts[name] = counts.get(name, 0) + 1
     return keras.DTypePolicy(max(counts, key=counts.get)) if counts else keras.DTypePolicy("float32")
 
-
-def _relative(path, root):
-    prefix = f"{root.name}/"
-    return path[len(prefix):] if path and path.startswith(prefix) else path

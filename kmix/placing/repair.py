@@ -12,16 +12,19 @@ placed model raises a dtype error in a block that computes in half:
    float32 noise, or a layer the user named in `float32_layers`), the block
    and everything inside it compute in float32.
 
-The call is repeated until it traces cleanly (at most `TRIES` times). An
-error that is not two dtypes meeting (a `range` over an unknown length) is no
-verdict on the placement, and changes nothing.
+The call is one real call on made-up inputs (`trace.sample_inputs`; the
+check against the twin compares its outputs), or, where the model cannot run
+on those, its graph traced on open shapes. It is repeated until it runs
+cleanly (at most `TRIES` times). An error that is not two dtypes meeting (a
+`range` over an unknown length) is no verdict on the placement, and changes
+nothing.
 """
 
 import re
 
 from kmix._tree import is_graph_model, resolved_policy, walk
 from kmix.placing import place, trace
-from kmix.placing.rules import ISLAND_REASONS
+from kmix.placing.rules import Kind
 
 TRIES = 8  # placements changed at most, one per symbolic call, before giving up
 
@@ -56,15 +59,19 @@ def repair(model, specs, plan):
         plan: the `rules.Plan` placed.
 
     Returns:
-        A `Repaired`.
+        `(Repaired, outputs)`: what changed, and the model's outputs on
+        `trace.sample_inputs(specs)` from a clean last call on the placement as
+        it now is (None where there is none).
     """
-    reasons = {id(layer): (dtype, reason or "") for _, layer, dtype, reason in plan}
-    repaired = Repaired()
+    rows = {id(row.layer): row for row in plan}
+    repaired, outputs = Repaired(), None
     for unit, unit_specs in _traceable(model, specs):
         for _ in range(TRIES):
-            traced = trace.trace(unit, unit_specs)
+            traced = trace.trace(unit, unit_specs, eager=True)
             if traced.error is not None and not is_dtype_error(traced.error):
-                traced = trace.trace(unit, unit_specs, eager=True)  # no graph on open shapes: one real call
+                traced = trace.trace(unit, unit_specs)  # made-up inputs it cannot run on: its graph, open shapes
+            if traced.error is None and unit is model:
+                outputs = traced.values
             block = traced.culprit
             if traced.error is None or block is None or id(block) in repaired.kept:
                 break
@@ -74,8 +81,7 @@ def repair(model, specs, plan):
             islands = [
                 sub for sub in plan.subtree(block)
                 if id(sub) not in repaired.relaxed and sub.compute_dtype == "float32"
-                and reasons.get(id(sub), (None, ""))[0] == "float32"
-                and reasons[id(sub)][1].startswith(ISLAND_REASONS)
+                and id(sub) in rows and rows[id(sub)].kind is Kind.ISLAND and rows[id(sub)].dtype == "float32"
             ]
             if islands:
                 for island in islands:
@@ -85,7 +91,7 @@ def repair(model, specs, plan):
             repaired.kept[id(block)] = error
             for sub in [block] + plan.subtree(block):
                 place.set_policy(sub, "float32")
-    return repaired
+    return repaired, (outputs if not repaired else None)
 
 
 def _traceable(model, specs):

@@ -8,6 +8,8 @@ layers nested in other layers and models included. `Rules.plan` is pure: it
 reads the model and changes nothing (`place` places the plan).
 """
 
+import collections
+import enum
 import re
 
 import keras
@@ -105,7 +107,7 @@ class Rules:
         self.pure = policy.params_dtype != "float32" and not policy.needs_master_weights
 
     def plan(self, model, outputs=None):
-        """`[(path, layer, keras_policy_name_or_None, reason)]` for every layer of `model`.
+        """A `Plan`: a `Row(path, layer, dtype, kind, reason)` for every layer of `model`.
 
         `None` means "keep the layer's own policy" (inside a `WithPolicy`, or a
         weightless layer a block made with a dtype other than its own).
@@ -127,52 +129,54 @@ class Rules:
         plan = Plan()
         for path, layer, parent in rows:
             if id(layer) in kept:
-                dtype, reason = None, "WithPolicy: kept"
+                dtype, kind, reason = None, Kind.KEPT, "WithPolicy: kept"
             else:
                 in_block = not is_graph_model(parent)
-                dtype, reason = self._place(layer, id(layer) in named, id(layer) in outputs, in_block, parent)
-                if dtype is _FOLLOW:
+                dtype, kind, reason = self._place(layer, id(layer) in named, id(layer) in outputs, in_block, parent)
+                if kind is Kind.IN_BLOCK:
                     dtype, reason = _follow_block(layer, parent, planned)
             planned[id(layer)] = dtype
-            plan.append((path, layer, dtype, reason))
+            plan.append(Row(path, layer, dtype, kind, reason))
         return plan
 
     def _place(self, layer, named, output, in_block, parent):
-        """The Keras policy name and the reason; `in_block`: created inside `parent`, a layer, not a graph."""
+        """`(policy name, Kind, reason)`; `in_block`: created inside `parent`, a layer, not a graph."""
         half = self.default.name
         if named or isinstance(layer, self.classes):
-            return "float32", "float32_layers"
+            return "float32", Kind.NAMED, "float32_layers"
         if is_graph_model(layer):
-            return None, "a nested model: its layers are placed"
+            return None, Kind.NESTED, "a nested model: its layers are placed"
         if not self.half_compute:
-            return half, "float32 policy"
+            return half, Kind.UNIFORM, "float32 policy"
         if self.pure:
-            return half, "pure half policy"
+            return half, Kind.UNIFORM, "pure half policy"
         if in_block and not layer.weights:
             # A block creates its weightless sublayers itself, with its own dtype, when it is built
             # or loaded: they follow their block, as a reload makes them.
-            return _FOLLOW, None
+            return None, Kind.IN_BLOCK, None
         if output and self.policy.output_dtype == "float32":
             if any(True for _ in walk(layer)):
                 # Inside, a block adds and multiplies raw tensors, which must share one dtype.
-                return half, "model output, but a block: keeps its dtype"
-            return "float32", "model output"
+                return half, Kind.HALF, "model output, but a block: keeps its dtype"
+            return "float32", Kind.OUTPUT, "model output"
         if re.search(r"Timestep|Sinusoid", type(layer).__name__):
-            return "float32", "sinusoidal embedding: sin/cos of large arguments, 3 digits in half"
+            return "float32", Kind.ISLAND, "sinusoidal embedding: sin/cos of large arguments, 3 digits in half"
         if in_block and is_router(layer, parent):
-            return "float32", "router of a mixture of experts: its softmax and top-k choose the experts"
+            return "float32", Kind.ISLAND, "router of a mixture of experts: its softmax and top-k choose the experts"
         if _is_normalization(layer):
-            return _place_normalization(layer, self.policy.compute_dtype) if in_block else ("float32", "normalization")
+            dtype, reason = _place_normalization(layer, self.policy.compute_dtype) if in_block else (
+                "float32", "normalization")
+            return dtype, Kind.ISLAND, reason
         activation = _activation_name(layer)
         if activation in _FLOAT32_ACTIVATIONS:
-            return "float32", f"{activation} activation"
+            return "float32", Kind.FLOAT32_OP, f"{activation} activation"
         if type(layer) in safe_replacements() and not in_block:
-            return half, "kmix safe layer"
+            return half, Kind.SAFE_CLASS, "kmix safe layer"
         if isinstance(layer, keras.layers.Softmax) and not _is_kmix(layer):
-            return "float32", "softmax"
+            return "float32", Kind.FLOAT32_OP, "softmax"
         if isinstance(layer, _HALF_LAYERS):
-            return half, "allow list"
-        return half, "follows inputs"
+            return half, Kind.HALF, "allow list"
+        return half, Kind.HALF, "follows inputs"
 
     def _check_names(self, model, rows):
         unknown = sorted(self.names - {layer.name for _, layer, _ in rows} - {path for path, _, _ in rows})
@@ -183,8 +187,28 @@ class Rules:
             )
 
 
+class Kind(enum.Enum):
+    """What a plan's row is, for the steps after the plan (the `reason` is prose, for the table)."""
+
+    NAMED = "in float32_layers"
+    KEPT = "inside a WithPolicy: its own policy kept"
+    NESTED = "a nested model: its layers are placed"
+    UNIFORM = "one policy for every layer (float32 or pure half)"
+    IN_BLOCK = "a weightless layer a block makes: as its block makes it"
+    OUTPUT = "produces a model output: float32"
+    ISLAND = "a float32 island of the rules (a norm, a router, a sinusoidal embedding): gives way to its block"
+    FLOAT32_OP = "softmax / log-softmax: float32"
+    SAFE_CLASS = "becomes kmix's class (Softmax, MultiHeadAttention)"
+    HALF = "half: a matmul, or follows its inputs"
+
+
+Row = collections.namedtuple("Row", "path layer dtype kind reason")
+Row.__doc__ = """A plan's row: a layer's `path`, the `layer`, the Keras policy name planned for it
+(None: keep its own), its `Kind` and the `reason` the table shows."""
+
+
 class Plan(list):
-    """`Rules.plan`'s rows `(path, layer, policy name or None, reason)`: the layer tree, walked once.
+    """`Rules.plan`'s `Row`s: the layer tree, walked once.
 
     Parents come before the layers inside them. The later steps of
     `kmix.autocast` (placing, repairing, the table) read the rows instead of
@@ -194,7 +218,7 @@ class Plan(list):
     def path(self, layer):
         """`layer`'s path in the plan, or None for a layer outside it."""
         if not hasattr(self, "_paths"):
-            self._paths = {id(row[1]): row[0] for row in self}
+            self._paths = {id(row.layer): row.path for row in self}
         return self._paths.get(id(layer))
 
     def subtree(self, layer):
@@ -202,14 +226,7 @@ class Plan(list):
         prefix = self.path(layer)
         if prefix is None:
             return [sub for _, sub, _ in walk(layer)]
-        return [row[1] for row in self if row[0].startswith(prefix + "/")]
-
-
-# How the reasons of the float32 islands the rules make begin (normalization in a block, a
-# mixture-of-experts router, a sinusoidal embedding): `repair` lets these give way to their block.
-ISLAND_REASONS = ("normalization", "router", "sinusoidal")
-
-_FOLLOW = object()  # `_place`'s answer for a weightless layer inside a block
+        return [row.layer for row in self if row.path.startswith(prefix + "/")]
 
 
 def _follow_block(layer, block, planned):

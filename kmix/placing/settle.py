@@ -16,9 +16,12 @@ builds that model (`reload.reloaded`: the config, no weights), then
    `dtype=` takes the global policy when it is loaded);
 3. takes the rebuilt graph's operations' settings and constants, and the
    rebuilt layers' constant tensors, into the model in memory;
-4. checks it numerically: the rebuilt model, given the model's weights,
-   must predict bit for bit what the model predicts, on inputs built from
-   the model's input specs.
+4. checks it numerically (`compare`): the rebuilt model, run on the model's
+   own variables, must predict bit for bit what the model predicts, on
+   inputs built from the model's input specs.
+
+The rebuilt model is a twin built without weights (`reload.reloaded`): it
+costs the model's layers, not its weights.
 
 Where a layer's placement could not be kept, or the predictions still
 differ, one warning names them and what to do.
@@ -30,7 +33,7 @@ import keras
 import numpy as np
 
 from kmix import _compat
-from kmix._tree import is_graph_model, own_weights, resolved_policy, walk
+from kmix._tree import is_graph_model, own_weights, pair, resolved_policy
 from kmix.placing import place, reload, repair, trace
 
 
@@ -44,7 +47,8 @@ class Settled:
         synced: how many graph nodes and layer constants took the rebuilt values.
         difference: the largest difference between the predictions of the
             model in memory and of the rebuilt one (0.0 when bitwise equal,
-            None when not checked), after settling.
+            None when not checked), set by `compare`.
+        twin: the rebuilt model (no weights of its own) `compare` runs, or None.
         error: why the model cannot be rebuilt from its config, or None.
         load_under: the Keras global policy the model must be loaded under to
             be rebuilt as placed (layers made without `dtype=` take it), or
@@ -57,9 +61,10 @@ class Settled:
     """
 
     def __init__(self, adopted=None, synced=0, difference=None, error=None, load_under=None, unplaced=None,
-                 holders=()):
+                 holders=(), twin=None):
         self.adopted, self.unplaced, self.holders = adopted or {}, unplaced or {}, list(holders)
         self.synced, self.difference, self.error, self.load_under = synced, difference, error, load_under
+        self.twin = twin
 
 
 def settle(model, specs, half_policy, holders=()):
@@ -75,7 +80,7 @@ def settle(model, specs, half_policy, holders=()):
             its block gives a dtype of its own differs in both, alike.
 
     Returns:
-        A `Settled`.
+        A `Settled`; `compare` checks it on numbers.
     """
     reload.write_maps(model, list(holders))
     copy, error = reload.reloaded(model)
@@ -109,14 +114,28 @@ def settle(model, specs, half_policy, holders=()):
         place.set_policy(layer, resolved_policy(twin).name)
         if reload.describe(layer) == reload.describe(twin):
             adopted[key] = (path, before, resolved_policy(twin).name, bool(own_weights(layer)))
-    synced = _sync_graphs(model, copy) + _sync_constants(model, copy)
+    pairs = [(a, b) for _, a, _, b in pair(model, copy) if type(a) is type(b)]
+    synced = _sync_graphs(pairs) + _sync_constants(pairs)
     if synced or adopted:
         place.reset_compiled_functions(model)
     if by_global and not any(own_weights(row[0]) for row in by_global.values()) and _difference(model, plain, specs) == 0:
         by_global, load_under, copy = {}, None, plain  # only weightless layers differ, and nothing they compute
     unplaced = {} if load_under else {k: (row[1], row[2], row[3]) for k, row in by_global.items()}
-    difference = None if unplaced else _difference(model, copy, specs)
-    return Settled(adopted, synced, difference, load_under=load_under, unplaced=unplaced, holders=holders)
+    return Settled(adopted, synced, load_under=load_under, unplaced=unplaced, holders=holders,
+                   twin=None if unplaced else copy)
+
+
+def compare(model, settled, specs, outputs=None):
+    """Sets `settled.difference`: the model's outputs against its twin's, on the model's variables.
+
+    Args:
+        outputs: the model's outputs on `trace.sample_inputs(specs)` where a
+            call of the placement as it is computed them; else computed here.
+    """
+    if settled.twin is not None:
+        settled.difference = _difference(model, settled.twin, specs, outputs)
+    settled.twin = None  # the twin goes with the check
+    return settled
 
 
 def warn(model, settled, stacklevel):
@@ -187,18 +206,14 @@ def _lost(settled):
     return lost
 
 
-def _pairs(model, copy):
-    """`(layer in memory, rebuilt layer)` for the model and every layer inside it, by walk position."""
-    ours, theirs = [model] + [row[1] for row in walk(model)], [copy] + [row[1] for row in walk(copy)]
-    if len(ours) != len(theirs):
-        return []
-    return [(a, b) for a, b in zip(ours, theirs) if type(a) is type(b)]
+def _sync_graphs(pairs):
+    """Takes the rebuilt graphs' operations' settings and constant arguments; the number changed.
 
-
-def _sync_graphs(model, copy):
-    """Takes the rebuilt graphs' operations' settings and constant arguments; the number changed."""
+    Args:
+        pairs: `[(layer in memory, its rebuilt twin)]`.
+    """
     changed = 0
-    for ours, theirs in _pairs(model, copy):
+    for ours, theirs in pairs:
         if not (_compat.is_functional(ours) and _compat.is_functional(theirs)):
             continue  # a Sequential's layers are its whole graph
         nodes, twins = _compat.graph_nodes(ours), _compat.graph_nodes(theirs)
@@ -241,10 +256,10 @@ def _sync_settings(operation, other):
     return changed
 
 
-def _sync_constants(model, copy):
+def _sync_constants(pairs):
     """Takes the rebuilt layers' constant tensors (not variables) where their dtype differs."""
     changed = 0
-    for ours, theirs in _pairs(model, copy):
+    for ours, theirs in pairs:
         if is_graph_model(ours):
             continue
         for name, value in vars(theirs).items():
@@ -255,16 +270,18 @@ def _sync_constants(model, copy):
     return changed
 
 
-def _difference(model, copy, specs):
+def _difference(model, copy, specs, ours=None):
     """The largest |model(x) - rebuilt(x)| on inputs built from `specs`, both on the model's variables."""
     if specs is None:
         return None
     x = trace.sample_inputs(specs)
     try:
-        with trace.untouched(model):
-            ours = keras.tree.flatten(model(x, training=False))
+        if ours is None:
+            with trace.untouched(model):
+                ours = model(x, training=False)
     except Exception:  # noqa: BLE001  the model cannot run on made-up inputs: nothing to compare
         return None
+    ours = keras.tree.flatten(ours)
     try:
         theirs = reload.run(copy, model, x)
     except Exception:  # noqa: BLE001  the model in memory runs, the rebuilt one does not

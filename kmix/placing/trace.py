@@ -29,10 +29,11 @@ class Traced:
         culprit: the innermost layer whose `call` raised it, or None.
         outputs: the ids of the layers that returned the model's outputs
             (the outermost layer returning each output tensor).
+        values: what an eager call returned (None for a traced graph, or an error).
     """
 
-    def __init__(self, error, culprit, outputs):
-        self.error, self.culprit, self.outputs = error, culprit, outputs
+    def __init__(self, error, culprit, outputs, values=None):
+        self.error, self.culprit, self.outputs, self.values = error, culprit, outputs, values
 
 
 def input_specs(model, x=None):
@@ -120,7 +121,7 @@ def trace(model, specs, eager=False):
         layer = producers.get(id(tensor), (None, None))[1]
         if layer is not None:
             found.add(id(layer))
-    return Traced(None, None, found)
+    return Traced(None, None, found, returned[0] if eager else None)
 
 
 def _watch(original, layer, seen, producers, culprit):

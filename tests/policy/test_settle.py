@@ -64,7 +64,7 @@ def test_a_constant_baked_into_the_graph_is_rebuilt_as_a_reload_makes_it():
 def test_without_the_rebuilt_constant_the_reload_would_differ(monkeypatch):
     from kmix.placing import settle
 
-    monkeypatch.setattr(settle, "_sync_graphs", lambda model, copy: 0)
+    monkeypatch.setattr(settle, "_sync_graphs", lambda pairs: 0)
     model = ScaledEmbedder()
     with pytest.warns(UserWarning, match="predicts up to"):  # the numerical check sees it
         kmix.autocast(model, "O1-bfloat16")
