@@ -100,7 +100,8 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
     policy = Policy(policy)
     _check_model(model)
     advised = islands.advise(model, policy, sample) if sample is not None else None
-    rules = Rules(policy, islands.merge(float32_layers, list(advised.targets)) if advised else float32_layers)
+    given = float32_layers if advised is None else islands.merge(float32_layers, list(advised.targets))
+    rules = Rules(policy, given)
     specs = trace.input_specs(model, advised.x if advised is not None else None)
     model, plan = _model_and_plan(model, rules, specs, copy)
     before = {id(row.layer): (resolved_policy(row.layer).name, type(row.layer)) for row in plan}

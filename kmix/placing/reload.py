@@ -44,21 +44,25 @@ def reloaded(model, global_policy=None):
     try:
         if global_policy is not None:
             keras.config.set_dtype_policy(global_policy)
-        config = keras.saving.serialize_keras_object(model)
-        config.pop("compile_config", None)
         with keras.saving.custom_object_scope(user_classes(model)), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Keras's build warnings were shown when the model was made
             try:
                 with _compat.stateless():  # no weights: `run` computes on the model's own
-                    return keras.saving.deserialize_keras_object(config, safe_mode=False), None
+                    return _deserialize(model), None
             except Exception:  # noqa: BLE001  a layer that cannot be built statelessly: built with weights
-                pass
-            # safe_mode=False: a Lambda's function is the user's own, from this process.
-            return keras.saving.deserialize_keras_object(config, safe_mode=False), None
+                return _deserialize(model), None
     except Exception as e:  # noqa: BLE001  any failure here is reported, never raised from autocast
         return None, e
     finally:
         keras.config.set_dtype_policy(previous)
+
+
+def _deserialize(model):
+    """`model` built from its config (which Keras's deserialization consumes: made anew each time)."""
+    config = keras.saving.serialize_keras_object(model)
+    config.pop("compile_config", None)
+    # safe_mode=False: a Lambda's function is the user's own, from this process.
+    return keras.saving.deserialize_keras_object(config, safe_mode=False)
 
 
 def run(twin, model, x):

@@ -31,6 +31,7 @@ import warnings
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from kmix import _compat
 from kmix._tree import is_graph_model, own_weights, pair, resolved_policy
@@ -49,6 +50,7 @@ class Settled:
             model in memory and of the rebuilt one (0.0 when bitwise equal,
             None when not checked), set by `compare`.
         twin: the rebuilt model (no weights of its own) `compare` runs, or None.
+        unchecked: the error (out of memory) that stopped `compare`, or None.
         error: why the model cannot be rebuilt from its config, or None.
         load_under: the Keras global policy the model must be loaded under to
             be rebuilt as placed (layers made without `dtype=` take it), or
@@ -64,7 +66,7 @@ class Settled:
                  holders=(), twin=None):
         self.adopted, self.unplaced, self.holders = adopted or {}, unplaced or {}, list(holders)
         self.synced, self.difference, self.error, self.load_under = synced, difference, error, load_under
-        self.twin = twin
+        self.twin, self.unchecked = twin, None
 
 
 def settle(model, specs, half_policy, holders=()):
@@ -132,15 +134,24 @@ def compare(model, settled, specs, outputs=None):
         outputs: the model's outputs on `trace.sample_inputs(specs)` where a
             call of the placement as it is computed them; else computed here.
     """
-    if settled.twin is not None:
-        settled.difference = _difference(model, settled.twin, specs, outputs)
+    try:
+        if settled.twin is not None:
+            settled.difference = _difference(model, settled.twin, specs, outputs)
+    except _OUT_OF_MEMORY as e:
+        settled.unchecked = e
     settled.twin = None  # the twin goes with the check
     return settled
 
 
 def warn(model, settled, stacklevel):
     """One warning for what a reload would not rebuild as placed: which layers, and what to do."""
-    if settled.error is not None:
+    if settled.unchecked is not None:
+        message = (
+            f"it could not check that the model `keras.models.load_model` rebuilds predicts what it predicts "
+            f"({repair.first_words(settled.unchecked)}, on a batch of 2 made-up inputs). The placement stands; "
+            "check a reload yourself on a small batch: `keras.models.load_model(path)(x)` against `model(x)`."
+        )
+    elif settled.error is not None:
         message = (
             f"Keras cannot build it from its config ({repair.first_words(settled.error)}), so `model.save` will "
             "not load back as it is. Save its weights (`model.save_weights`) and build the model in code, "
@@ -279,11 +290,15 @@ def _difference(model, copy, specs, ours=None):
         if ours is None:
             with trace.untouched(model):
                 ours = model(x, training=False)
+    except _OUT_OF_MEMORY:
+        raise
     except Exception:  # noqa: BLE001  the model cannot run on made-up inputs: nothing to compare
         return None
     ours = keras.tree.flatten(ours)
     try:
         theirs = reload.run(copy, model, x)
+    except _OUT_OF_MEMORY:
+        raise
     except Exception:  # noqa: BLE001  the model in memory runs, the rebuilt one does not
         return float("inf")
     if theirs is None:
@@ -300,6 +315,9 @@ def _difference(model, copy, specs, ours=None):
             gap = np.abs(a - b)[~same]
             worst = max(worst, float(np.max(np.where(np.isfinite(gap), gap, np.inf))))
     return worst
+
+
+_OUT_OF_MEMORY = (MemoryError, tf.errors.ResourceExhaustedError)
 
 
 def _is_array(value):

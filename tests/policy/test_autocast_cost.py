@@ -71,3 +71,45 @@ def test_autocast_creates_no_copy_of_the_weights(make, policy):
     for variable, value in zip(model.weights, before):
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), value)
     assert np.all(np.isfinite(keras.ops.convert_to_numpy(keras.ops.cast(keras.tree.flatten(model(x))[0], "float32"))))
+
+
+def test_a_check_out_of_memory_is_a_warning_and_the_placement_stands(monkeypatch):
+    from kmix.placing import reload
+
+    def out_of_memory(twin, model, x):
+        raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor")
+
+    monkeypatch.setattr(reload, "run", out_of_memory)
+    model = functional_model()
+    with pytest.warns(UserWarning, match="could not check"):
+        placed, table = kmix.autocast(model, "O1-bfloat16", return_table=True)
+    assert placed is model
+    assert {row.layer: row.after for row in table}["norm"] == "float32"
+    assert {row.layer: row.after for row in table}["up"] == "mixed_bfloat16"
+
+
+@keras.saving.register_keras_serializable(package="kmix_tests")
+class ConstantScale(keras.layers.Layer):
+    """A layer whose variable starts from an array: Keras cannot make it without storage."""
+
+    def build(self, shape):
+        self.scale = keras.Variable(np.linspace(0.5, 1.5, shape[-1]).astype("float32"), name="scale")
+
+    def call(self, x):
+        return x * keras.ops.cast(self.scale, x.dtype)
+
+
+def test_a_model_keras_cannot_build_without_weights_is_still_checked():
+    from tests.testing import assert_placement_survives_reload
+
+    inputs = keras.Input((6,), name="x")
+    model = keras.Model(inputs, keras.layers.Dense(3, name="head")(ConstantScale(name="scale")(
+        keras.layers.Dense(6, name="up")(inputs))))
+    with keras.StatelessScope(), pytest.raises(ValueError):
+        keras.Variable(np.ones(3, "float32"))  # what the weightless twin meets in `build`
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # checked, and nothing to say
+        kmix.autocast(model, "O1-bfloat16")
+    assert_placement_survives_reload(model, np.ones((2, 6), "float32"))
