@@ -135,11 +135,11 @@ def write_maps(model, holders, copy=None):
     """Gives each of `holders` a `DTypePolicyMap` of every layer's policy as placed now."""
     if not holders:
         return
-    entries = _entries(model, copy)
+    entries, default = _entries(model, copy), _default(model)
     for block in holders:
         # A map of the user's (a backbone built with one) is replaced on the block alone: its
         # layers keep reading theirs in memory, and the block's config carries the placement.
-        dtype_map = keras.dtype_policies.DTypePolicyMap(default_policy=_default(model))
+        dtype_map = keras.dtype_policies.DTypePolicyMap(default_policy=default)
         for path, policy in entries.items():
             dtype_map[path] = policy
         if block.path and block.path not in dtype_map:
