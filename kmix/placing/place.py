@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from kmix import _compat
 from kmix._tree import own_weights, resolved_policy
+from kmix.ops import float32_out
 from kmix.placing.rules import Kind, safe_replacements
 
 
@@ -30,6 +31,7 @@ def place(plan):
             continue
         if row.kind is Kind.SAFE_CLASS and type(row.layer) in swaps:
             swap_class(row.layer, swaps[type(row.layer)])
+        set_output_dtype(row.layer, float32=row.kind is Kind.HALF_OUT)
         set_policy(row.layer, row.dtype)
 
 
@@ -54,6 +56,21 @@ def set_policy(layer, dtype):
         for name, value in list(vars(layer).items()):
             if is_constant(value) and keras.backend.standardize_dtype(value.dtype) == old.compute_dtype:
                 setattr(layer, name, keras.ops.cast(value, new.compute_dtype))
+
+
+def set_output_dtype(layer, float32):
+    """Gives `layer` its activation's float32-out form (`kmix.ops.float32_out`), or takes it back.
+
+    A layer producing a model output computes its matmul in half and hands
+    float32 out; placed otherwise (float32, or inside the model), it gets its
+    plain activation back. The activation is in the layer's config: a reload
+    rebuilds it.
+    """
+    activation = getattr(layer, "activation", None)
+    if float32 and not float32_out.is_wrapped(activation):
+        layer.activation = float32_out.wrap(activation)
+    elif not float32 and float32_out.is_wrapped(activation):
+        layer.activation = float32_out.unwrap(activation)
 
 
 def swap_class(layer, new_cls):

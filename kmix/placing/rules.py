@@ -16,6 +16,7 @@ import keras
 
 from kmix import _compat
 from kmix._tree import is_graph_model, resolved_policy, walk
+from kmix.ops import float32_out
 from kmix.placing import norms
 
 # Float32 islands: statistics over many elements, where half loses precision.
@@ -158,6 +159,9 @@ class Rules:
             if any(True for _ in walk(layer)):
                 # Inside, a block adds and multiplies raw tensors, which must share one dtype.
                 return half, Kind.HALF, "model output, but a block: keeps its dtype"
+            if isinstance(layer, _HALF_LAYERS) and float32_out.wrap(getattr(layer, "activation", False)):
+                # As TensorFlow's guide and torch autocast: the matmul in half, the output in float32.
+                return half, Kind.HALF_OUT, "model output: matmul in half, activation and output float32"
             return "float32", Kind.OUTPUT, "model output"
         if re.search(r"Timestep|Sinusoid", type(layer).__name__):
             return "float32", Kind.ISLAND, "sinusoidal embedding: sin/cos of large arguments, 3 digits in half"
@@ -196,6 +200,7 @@ class Kind(enum.Enum):
     UNIFORM = "one policy for every layer (float32 or pure half)"
     IN_BLOCK = "a weightless layer a block makes: as its block makes it"
     OUTPUT = "produces a model output: float32"
+    HALF_OUT = "produces a model output: its matmul in half, its activation and output float32"
     ISLAND = "a float32 island of the rules (a norm, a router, a sinusoidal embedding): gives way to its block"
     FLOAT32_OP = "softmax / log-softmax: float32"
     SAFE_CLASS = "becomes kmix's class (Softmax, MultiHeadAttention)"

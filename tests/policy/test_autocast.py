@@ -40,7 +40,7 @@ EXPECTED_O1 = {
     "probs": ("float32", keras.layers.Activation),
     "cat": ("mixed_float16", keras.layers.Concatenate),
     "flat": ("mixed_float16", keras.layers.Flatten),
-    "logits": ("float32", keras.layers.Dense),  # produces an output
+    "logits": ("mixed_float16", keras.layers.Dense),  # produces an output: half matmul, float32 out
     "log_probs": ("float32", keras.layers.Activation),
 }
 
@@ -168,7 +168,9 @@ def test_sequential_stays_sequential():
     expected = seq.predict(x, verbose=0)
     new = autocast(seq, "O1")
     assert new is seq
-    assert [policy_name(layer) for layer in new.layers] == ["mixed_float16", "float32", "float32"]
+    # The last Dense produces the output: its matmul in half, its output float32.
+    assert [policy_name(layer) for layer in new.layers] == ["mixed_float16", "float32", "mixed_float16"]
+    assert new.predict(x, verbose=0).dtype == np.float32
     np.testing.assert_allclose(new.predict(x, verbose=0), expected, rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="not built"):
         autocast(keras.Sequential([keras.layers.Dense(2)]))
@@ -194,7 +196,8 @@ def test_subclassed_model_is_placed_with_its_output_layer_found():
     new, table = autocast(net, "O2", return_table=True)
     assert new is net
     rows = {row.layer: row for row in table}
-    assert rows["out"].after == "float32" and rows["out"].reason == "model output"  # found by a symbolic call
+    # Found by a symbolic call: it produces the output, its matmul in half and its output float32.
+    assert rows["out"].after == "float16" and rows["out"].reason.startswith("model output: matmul in half")
     # Its layers are applied by its own `call`, as a block's: the norm keeps float32 statistics and
     # variables and hands back the half dtype its raw arithmetic may add to.
     assert rows["norm"].after == "mixed_float16" and rows["proj"].after == "float16"
@@ -215,7 +218,8 @@ def test_nested_model_and_with_policy():
     rows = {row.layer: row for row in table}
     assert rows["wp"].after == "float16" and rows["wp"].reason == "WithPolicy: kept"
     assert rows["inner/inner_a"].after == "mixed_float16"
-    assert rows["inner/inner_out"].after == "float32"  # it produces the outer model's output
+    assert rows["inner/inner_out"].after == "mixed_float16"  # it produces the outer model's output:
+    assert new.get_layer("inner").get_layer("inner_out").activation is kmix.ops.float32_out.float32_linear  # float32 out
     assert policy_name(new2.get_layer("inner").get_layer("inner_a")) == "float32"
 
 
@@ -266,7 +270,8 @@ def test_ops_nodes_keep_their_place():
     assert [type(op).__name__ for op in new.operations] == kinds
     assert {"Mean", "Multiply", "Add", "GetItem"} <= set(kinds)
     assert new.get_layer("proj").compute_dtype == "float16" and new.get_layer("norm").compute_dtype == "float32"
-    assert new.get_layer("head").compute_dtype == "float32"  # behind the slice, it produces the output
+    # Behind the slice, it produces the output: its matmul in half, its output float32.
+    assert new.get_layer("head").compute_dtype == "float16" and new.predict(x, verbose=0).dtype == np.float32
     np.testing.assert_allclose(new.predict(x, verbose=0), expected, atol=2e-2)
 
 

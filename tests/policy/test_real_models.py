@@ -125,8 +125,9 @@ def test_autocast_real_model(name, level):
     np.testing.assert_allclose(_numpy(got), expected, atol=tolerance, rtol=0)
 
     # Parameters in the policy's dtype, but normalization (batch-norm statistics included) and
-    # the layer producing the output (GPT-2's tied embedding) in float32 when outputs are.
-    output_layers = ("classifier", "logits") + (("token_embedding",) if name == "gpt2" else ())
+    # the layer producing the output in float32 when outputs are, where it cannot hand float32 out
+    # from a half matmul (GPT-2's tied embedding; a Dense head computes in half, float32 out).
+    output_layers = ("token_embedding",) if name == "gpt2" else ()
     for variable in new.weights:
         if "norm" in variable.path or "bn" in variable.path.split("/"):
             assert variable.dtype == "float32", variable.path
