@@ -23,11 +23,18 @@ pytestmark = pytest.mark.gpu
 SIZE = {"layers": 2, "d_model": 128, "heads": 4, "seq": 64, "vocab": 512, "batch": 8}
 
 
-@pytest.mark.parametrize("policy", ["O1-float16", "O1-bfloat16", "O2-float16", "O2-bfloat16", "mixed_float16"])
-def test_every_route_trains_like_float32_under_xla(policy):
-    """Same seed, same batch, same steps: the half route's loss tracks float32's (tensor cores, XLA)."""
+@pytest.fixture(scope="module")
+def float32_loss():
+    """The float32 route's loss after 20 XLA steps: the reference of every half route."""
     reference = Route("gpt", SIZE, "float32", "keras", jit_compile=True)
     reference.train(20)
+    keras.config.set_dtype_policy("float32")
+    return reference.loss
+
+
+@pytest.mark.parametrize("policy", ["O1-float16", "O1-bfloat16", "O2-float16", "O2-bfloat16", "mixed_float16"])
+def test_every_route_trains_like_float32_under_xla(policy, float32_loss):
+    """Same seed, same batch, same steps: the half route's loss tracks float32's (tensor cores, XLA)."""
     stack = "keras" if policy.startswith("mixed") else "recommended"  # "recommended": autocast + wrap
     route = Route("gpt", SIZE, policy, stack, jit_compile=True)
     route.train(20)
@@ -35,7 +42,7 @@ def test_every_route_trains_like_float32_under_xla(policy):
     half = kmix.Policy(policy).compute_dtype
     computed = {layer.compute_dtype for layer in route.model.layers if isinstance(layer, keras.layers.Dense)}
     assert half in computed
-    assert route.loss == pytest.approx(reference.loss, rel=0.05)
+    assert route.loss == pytest.approx(float32_loss, rel=0.05)
 
 
 @pytest.mark.parametrize("tf32", [True, False])
@@ -98,15 +105,17 @@ def test_bench_train_measures_peak_memory_and_the_largest_batch():
     size = {**SIZE, "layers": 1, "d_model": 32, "heads": 2, "seq": 16, "vocab": 64, "batch": 2}
     alone = train_rounds.measure(("float32", "keras", True), size, steps=2, rounds=1)
     assert alone["peak_bytes"] > 0
-    assert train_rounds.largest_batch("float32", "keras", size, 2, 64) == (64, True)  # a tiny model fits
+    assert train_rounds.largest_batch("float32", "keras", size, 2, 8) == (8, True)  # a tiny model fits
 
 
 def test_demo_on_the_gpu(tmp_path):
     """The hand-written -1e9 mask is NaN from step 1 in float16; kmix's run ends where float32's does."""
     try:
-        results = demo.main(["--steps", "60", "--quiet", "--out", str(tmp_path)])
+        results = demo.main(["--steps", "40", "--quiet", "--out", str(tmp_path)])
     finally:
         keras.config.set_dtype_policy("float32")
     assert results["naive"]["first_nan_step"] == 1
     assert results["kmix"]["first_nan_step"] is None
-    assert results["kmix"]["final_loss"] == pytest.approx(results["float32"]["final_loss"], abs=0.1)
+    f32, ours = results["float32"], results["kmix"]
+    assert abs(ours["final_loss"] - f32["final_loss"]) <= 0.1 * f32["final_loss"] + 0.02  # as tests/test_demo.py
+    assert abs(ours["accuracy"] - f32["accuracy"]) <= 0.05
