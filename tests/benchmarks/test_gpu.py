@@ -75,3 +75,12 @@ def test_the_gpu_tests_are_found_by_their_mark():
 
     files = gpu.gpu_test_files(Path(__file__).resolve().parents[1])
     assert "tests/test_on_gpu.py" in files and "tests/benchmarks/test_gpu.py" not in files
+
+
+def test_pytest_m_gpu_runs_in_a_subprocess_and_its_summary_is_read():
+    """The tests section as a GPU machine runs it; here every gpu test is skipped, saying so."""
+    tests = gpu.run_tests(gpu.Budget(600.0))
+    assert tests["command"][1:5] == ["-m", "pytest", "-q", "-m"] and "tests/test_on_gpu.py" in tests["command"]
+    assert tests["returncode"] == 0, tests["tail"]
+    skipped = int(tests["summary"].split(" skipped")[0])
+    assert skipped >= 10 and "passed" not in tests["summary"] and " in " in tests["summary"]
