@@ -253,16 +253,16 @@ def main(argv=None):
         parser.error(f"--sections accepts {', '.join(SECTIONS)}; received {args.sections!r}")
     if args.budget_s <= 0:
         parser.error(f"--budget-s must be > 0; received {args.budget_s}")
-    facts = gpu_facts()
-    if facts is None and not args.allow_cpu:
+    if not tf.config.list_physical_devices("GPU") and not args.allow_cpu:
         print(NO_GPU)
         return None
+    grow_gpu_memory()  # before anything starts the GPU: the tests' subprocess needs memory too
+    facts = gpu_facts()
     if facts is None:
         where = f"CPU ({kmix.device.cpu_features()['model']}), forced with --allow-cpu"
         memory.use_a_cpu_allocator_with_statistics()
     else:
         where = f"{facts[0]} (compute capability {facts[1]})"
-        grow_gpu_memory()
     sizes = SIZES["quick" if args.quick else "full"]
     labels = [r.strip() for r in args.routes.split(",")] if args.routes else None
     if labels and set(labels) - {r[0] for r in ROUTES}:
