@@ -10,19 +10,21 @@ from kmix.benchmarks import memory
 from kmix.benchmarks.common import format_table
 
 ROUTE_HEADERS = ["route", "stack", "TF32", "ms/step", "tokens/s", "TFLOP/s", "peak mem", "speed x f32",
-                 "mem x f32", "loss"]
+                 "mem x f32", "loss", "speed x f32 TF32 off"]
 
 
 def route_rows(results):
-    """The routes' table rows; ratios against the float32 row with TF32 on (the first float32 row)."""
-    base = next((r for r in results if r["policy"] == "float32"), None)
+    """The routes' table rows: ratios against float32 with TF32 on, and the speed against float32 with it off."""
+    base = next((r for r in results if r["policy"] == "float32" and r["tf32"]), None)
+    no_tf32 = next((r for r in results if r["policy"] == "float32" and not r["tf32"]), None)
     rows = []
     for r in results:
         speed = base["step_seconds"] / r["step_seconds"] if base else "n/a"
         mem = r["peak_bytes"] / base["peak_bytes"] if base and r["peak_bytes"] and base["peak_bytes"] else "n/a"
         rows.append([r["label"], r["stack"], "on" if r["tf32"] else "off", r["step_seconds"] * 1e3,
                      round(r["tokens_per_second"]), r["tflops"] if r["tflops"] is not None else "n/a",
-                     _bytes(r["peak_bytes"]), speed, mem, r["loss"]])
+                     _bytes(r["peak_bytes"]), speed, mem, r["loss"],
+                     no_tf32["step_seconds"] / r["step_seconds"] if no_tf32 else "n/a"])
     return rows
 
 
@@ -49,7 +51,7 @@ def write_report(out, header, routes, route_size, mem, mem_size, demo_results, t
         md += [f"`bench train`'s GPT: {s['layers']} layers, d_model {s['d_model']}, {s['heads']} heads, seq "
                f"{s['seq']}, batch {s['batch']}, vocab {s['vocab']}; AdamW; each route alone, the median of "
                f"{s['rounds']} rounds of {s['steps']} steps. Ratios against float32 with TF32 on (TensorFlow's "
-               "default); kmix.autocast rows: `kmix.autocast(model, policy)` + `kmix.wrap` in "
+               "default), and in the last column against float32 with TF32 off; kmix.autocast rows: `kmix.autocast(model, policy)` + `kmix.wrap` in "
                "`kmix.policy_scope(policy)`.", "", markdown_table(ROUTE_HEADERS, route_rows(routes)), ""]
     else:
         md += ["not run", ""]

@@ -48,14 +48,15 @@ def test_the_report_writer_from_given_results(tmp_path):
         return {"name": name, "peak_bytes": peak, "state_bytes": peak // 2, "report_state_bytes": peak // 2,
                 "step_seconds": 0.1, "loss": 1.0}
 
-    routes = [route("float32", 0.2, 2**30), route("O1 float16", 0.1, 2**29)]
+    routes = [route("float32", 0.2, 2**30), route("O1 float16", 0.1, 2**29), route("float32", 0.3, 2**30)]
+    routes[2].update(label="float32 TF32 off", tf32=False)
     tests = {"command": ["python", "-m", "pytest", "-q", "-m", "gpu"], "summary": "7 passed in 30.1s",
              "returncode": 0, "tail": ""}
     size = dict(layers=1, d_model=8, heads=2, seq=4, vocab=8, batch=2, steps=1, rounds=1)
     report, png = gpu.write_report(tmp_path, "a GPU", routes, size, [mem("float32", 4 * 2**20), mem("O1", 2**21)],
                                    size, None, tests, ["demo: the demo (budget)"], 12.0)
     text = open(report).read()
-    assert "| O1 float16 | keras | on | 100 | 1000 | 1 | 512.0 MiB | 2 | 0.5 | 2 |" in text
+    assert "| O1 float16 | keras | on | 100 | 1000 | 1 | 512.0 MiB | 2 | 0.5 | 2 | 3 |" in text
     assert "| O1 | 2.00 MiB | 1.00 MiB | 1.00 MiB | 100 | 0.5 | 1 | 1 |" in text
     assert "`pytest -q -m gpu`: 7 passed in 30.1s" in text and "- demo: the demo (budget)" in text
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
