@@ -200,8 +200,8 @@ def main(argv=None):
         >>> out = predict.main(["--quick"])
     """
     parser = argparse.ArgumentParser(prog="python -m kmix bench predict", description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS),
-                        help="comma-separated models among " + ", ".join(MODELS) + "; default both")
+    parser.add_argument("--models", default="gpt,resnet50",
+                        help="comma-separated models among " + ", ".join(MODELS) + "; default gpt,resnet50")
     parser.add_argument("--batch", type=int, default=32, help="batch size; default 32")
     parser.add_argument("--layers", type=int, default=2, help="GPT: blocks; default 2")
     parser.add_argument("--d-model", type=int, default=512, help="GPT: width; default 512")

@@ -9,14 +9,22 @@ A route is a dtype policy and a stack:
 - `tf-rewrite`: the float32 Keras model under TensorFlow's own grappler
   rewrite (`auto_mixed_precision_onednn_bfloat16` on a CPU,
   `auto_mixed_precision` on a GPU), set only while this route runs;
+- `autocast`: the model built in float32, `kmix.autocast(model, "O1-<half>")`
+  for the half policy of the row (`mixed_bfloat16` -> `O1-bfloat16`), compiled
+  inside `kmix.policy_scope` with `kmix.wrap`: kmix's O1 against Keras's own
+  mixed policy on the same model;
 - `recommended`: what `kmix.recommend()` picks on this device: the float32
   model (kmix stack), `kmix.autocast(model, rec.policy)`, compiled inside
   `kmix.policy_scope(rec.policy)` with `kmix.wrap` and `rec.jit_compile`;
 - `recommend(model)`: the same, with the route `kmix.recommend(model, sample=...)`
   measured on this model's own training step (`recommend_on_model`).
 
-The models are the GPT-style decoder of `kmix.benchmarks.gpt` and
-`keras.applications.ResNet50(weights=None)` at a small input size.
+The models: the GPT-style decoder of `kmix.benchmarks.gpt` (`gpt`);
+`keras.applications.ResNet50` and `MobileNetV2` (`weights=None`) at a small
+input size (`resnet50`, `mobilenetv2`); and, with keras-hub installed, a
+keras-hub `GPT2Backbone` with an untied `Dense` LM head (`gpt2-lm`) and a
+keras-hub `BertBackbone` classifier on its pooled output (`bert`), built
+from constructor arguments (no presets, no download).
 """
 
 import contextlib
@@ -28,9 +36,11 @@ import tensorflow as tf
 import kmix
 from kmix.benchmarks import gpt
 
-STACKS = ("keras", "kmix", "tf-rewrite", "recommended", "recommend(model)")
-PLACED = ("recommended", "recommend(model)")  # the stacks built in float32 and placed by kmix.autocast
-MODELS = ("gpt", "resnet50")
+STACKS = ("keras", "kmix", "tf-rewrite", "autocast", "recommended", "recommend(model)")
+PLACED = ("autocast", "recommended", "recommend(model)")  # built in float32 and placed by kmix.autocast
+MODELS = ("gpt", "resnet50", "mobilenetv2", "gpt2-lm", "bert")
+HUB_MODELS = ("gpt2-lm", "bert")  # need keras-hub
+LOGITS = ("gpt", "gpt2-lm", "bert")  # models whose outputs are logits (the loss takes from_logits=True)
 
 
 def on_gpu():
@@ -80,11 +90,61 @@ def build(model_name, size, stack):
         keras.utils.set_random_seed(0)
         side = size["image"]
         model = keras.applications.ResNet50(weights=None, input_shape=(side, side, 3), classes=size["classes"])
-        rng = np.random.default_rng(0)
-        x = rng.uniform(0, 255, size=(size["batch"], side, side, 3)).astype("float32")
-        y = rng.integers(0, size["classes"], size=(size["batch"],)).astype("int32")
-        return model, tf.data.Dataset.from_tensors((x, y)).repeat(), size["batch"]
+        return model, _image_data(size), size["batch"]
+    if model_name == "mobilenetv2":
+        keras.utils.set_random_seed(0)
+        side = size["image"]
+        model = keras.applications.MobileNetV2(weights=None, input_shape=(side, side, 3), classes=size["classes"])
+        return model, _image_data(size), size["batch"]
+    if model_name in HUB_MODELS:
+        model = _hub_model(model_name, size)
+        return model, _token_data(model_name, size), size["batch"] * size["seq"]
     raise ValueError(f"`model_name` must be one of {MODELS}. Received: model_name={model_name!r}")
+
+
+def _image_data(size):
+    rng = np.random.default_rng(0)
+    side = size["image"]
+    x = rng.uniform(0, 255, size=(size["batch"], side, side, 3)).astype("float32")
+    y = rng.integers(0, size["classes"], size=(size["batch"],)).astype("int32")
+    return tf.data.Dataset.from_tensors((x, y)).repeat()
+
+
+def _hub_model(model_name, size):
+    """A keras-hub backbone under the current policy, with a head: an untied LM head or a classifier."""
+    try:
+        import keras_hub
+    except ImportError as error:
+        raise ImportError(f"`--model {model_name}` needs keras-hub: `pip install keras-hub`.") from error
+    keras.utils.set_random_seed(0)
+    shape = dict(vocabulary_size=size["vocab"], num_layers=size["layers"], num_heads=size["heads"],
+                 hidden_dim=size["d_model"], intermediate_dim=4 * size["d_model"],
+                 max_sequence_length=size["seq"], dropout=0.0)
+    if model_name == "gpt2-lm":
+        backbone = keras_hub.models.GPT2Backbone(**shape)
+        logits = keras.layers.Dense(size["vocab"], name="lm_head")(backbone.output)
+    else:
+        backbone = keras_hub.models.BertBackbone(**shape)
+        logits = keras.layers.Dense(size["classes"], name="classifier")(backbone.output["pooled_output"])
+    return keras.Model(backbone.input, logits, name=model_name.replace("-", "_"))
+
+
+def _token_data(model_name, size):
+    rng = np.random.default_rng(0)
+    batch, seq = size["batch"], size["seq"]
+    tokens = rng.integers(0, size["vocab"], size=(batch, seq + 1)).astype("int32")
+    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((batch, seq), "int32")}
+    if model_name == "gpt2-lm":
+        y = tokens[:, 1:]
+    else:
+        x["segment_ids"] = np.zeros((batch, seq), "int32")
+        y = rng.integers(0, size["classes"], size=(batch,)).astype("int32")
+    return tf.data.Dataset.from_tensors((x, y)).repeat()
+
+
+def autocast_policy(policy):
+    """The kmix policy of an `autocast` row: `"mixed_<half>"` -> `"O1-<half>"`, float32 as it is."""
+    return "O1-" + policy.split("_", 1)[1] if policy.startswith("mixed_") else policy
 
 
 def recommend_on_model(model_name, size, budget_s, probe=None):
@@ -110,9 +170,7 @@ def recommend_on_model(model_name, size, budget_s, probe=None):
 
 def loss_for(model_name):
     """The loss the benchmarks train `model_name` with."""
-    if model_name == "gpt":
-        return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    return keras.losses.SparseCategoricalCrossentropy()
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=model_name in LOGITS)
 
 
 class Route:
@@ -135,6 +193,9 @@ class Route:
         build_policy = "float32" if stack == "tf-rewrite" or stack in PLACED else policy
         with kmix.policy_scope(build_policy):
             model, self.data, self.items = build(model_name, size, "keras" if stack in ("keras", "tf-rewrite") else "kmix")
+        if stack == "autocast":
+            policy = autocast_policy(policy)
+            self.policy = policy
         if stack in PLACED:
             model = kmix.autocast(model, policy)
         optimizer = keras.optimizers.AdamW(1e-4)

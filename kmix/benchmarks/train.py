@@ -13,6 +13,9 @@ The routes (see `kmix.benchmarks.routes`), in table order:
   `kmix.wrap` under the same global policies (against the keras rows: what
   kmix's safety costs, and what its fused Adam update gains, which the
   float32 row shows alone);
+- `O1-bfloat16` and `O1-float16`, `autocast`: the float32 model placed by
+  `kmix.autocast` (the README's route), against Keras's own mixed policy
+  on the same model;
 - the policy `kmix.recommend()` picks, `recommended`: `kmix.autocast` +
   `kmix.wrap` + the recommended `jit_compile`, the route the README gives;
 - the route `kmix.recommend(model, sample=...)` picks from timing this
@@ -22,8 +25,11 @@ The routes (see `kmix.benchmarks.routes`), in table order:
 
 `--jit both` adds every policy row under XLA as well. The model is the
 GPT-style decoder of `kmix.benchmarks.gpt` (`--model gpt`, the default: at
-d_model 512 its matmuls dominate the step) or
-`keras.applications.ResNet50(weights=None)` at a small input (`--model resnet50`).
+d_model 512 its matmuls dominate the step),
+`keras.applications.ResNet50` / `MobileNetV2(weights=None)` at a small input
+(`--model resnet50`, `mobilenetv2`), a keras-hub GPT-2 backbone with an
+untied `Dense` LM head (`--model gpt2-lm`, vocabulary 16384 by default) or
+a keras-hub BERT classifier (`--model bert`); see `kmix.benchmarks.routes`.
 
 Model FLOP/s (GPT only) follow PaLM's model-FLOPs convention (Chowdhery et
 al. 2022, appendix B): per token `6 * N + 12 * layers * d_model * seq`,
@@ -73,6 +79,8 @@ def configurations(policies, jit_modes, recommendation=None, model_recommendatio
         configs.append(("float32", "tf-rewrite", False))
     for jit in jit_modes:
         configs += [(p, "kmix", jit) for p in policies]
+    for jit in jit_modes:
+        configs += [(p, "autocast", jit) for p in policies if p != "float32"]
     if recommendation is not None:
         configs.append((recommendation.policy, "recommended", recommendation.jit_compile))
     if model_recommendation is not None:
@@ -107,7 +115,8 @@ def main(argv=None):
     parser.add_argument("--d-model", type=int, default=512, help="GPT: model width; default 512")
     parser.add_argument("--heads", type=int, default=8, help="GPT: attention heads (must divide --d-model); default 8")
     parser.add_argument("--seq", type=int, default=128, help="GPT: sequence length; default 128")
-    parser.add_argument("--vocab", type=int, default=2048, help="GPT: vocabulary size; default 2048")
+    parser.add_argument("--vocab", type=int, default=None,
+                        help="GPT / gpt2-lm / bert: vocabulary size; default 2048 (gpt2-lm: 16384, bert: 8192)")
     parser.add_argument("--image", type=int, default=64, help="ResNet50: image side in pixels (>= 32); default 64")
     parser.add_argument("--batch", type=int, default=8, help="batch size; default 8")
     parser.add_argument("--steps", type=int, default=5, help="steps per timed round; default 5")
@@ -143,6 +152,8 @@ def main(argv=None):
                         help="a smoke test: GPT 1 layer, width 16, seq 16 (ResNet50 32x32), batch 2, "
                         "2 steps, 1 round, a tiny probe")
     args = parser.parse_args(argv)
+    if args.vocab is None:
+        args.vocab = {"gpt2-lm": 16384, "bert": 8192}.get(args.model, 2048)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:
@@ -188,16 +199,19 @@ def main(argv=None):
         results = measure_all(configs, size, args.steps, args.rounds, interleave, args.model)
     finally:
         logger.setLevel(level)
-    if args.model == "gpt":
-        what = (f"GPT-style training step: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, "
+    if args.model in ("gpt", "gpt2-lm", "bert"):
+        name = {"gpt": "GPT-style", "gpt2-lm": "keras-hub GPT-2 + untied Dense LM head", "bert": "keras-hub BERT classifier"}
+        what = (f"{name[args.model]} training step: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, "
                 f"seq {args.seq}, batch {args.batch}, vocab {args.vocab}")
+    elif args.model == "mobilenetv2":
+        what = f"MobileNetV2 training step: {args.image}x{args.image} images, batch {args.batch}, 10 classes"
     else:
         what = f"ResNet50 training step: {args.image}x{args.image} images, batch {args.batch}, 10 classes"
     print(f"{what}; on {where}; TF32 {'on' if tf32 else 'off'}; median of {args.rounds} "
           f"{'interleaved ' if interleave else ''}rounds of {args.steps} steps")
     rows = format_rows(results)
     print(format_table(HEADERS, rows))
-    print("items/s: tokens (GPT) or images (ResNet). TFLOP/s: model FLOPs, 6 * params (without embeddings) "
+    print("items/s: tokens (GPT, gpt2-lm, BERT) or images (ResNet50, MobileNetV2). TFLOP/s: model FLOPs, 6 * params (without embeddings) "
           "+ 12 * layers * d_model * seq per token. speed x f32: the float32 Keras row's step time "
           "(Keras's default compile) / this one's" + (", round by round (the median ratio; the rewrite's "
           "rounds ran alone: the ratio of medians)." if interleave else "."))

@@ -101,7 +101,7 @@ def measure_all(configs, size, steps, rounds, interleave, model_name="gpt"):
             switching TensorFlow's rewrite on and off slows the functions of
             routes that run after it. Interleaved rounds rotate the order
             of the routes from one round to the next.
-        model_name: `"gpt"` or `"resnet50"`.
+        model_name: one of `kmix.benchmarks.routes.MODELS`.
 
     Returns:
         Dicts with `policy`, `stack`, `jit_compile` (as resolved: Keras's
