@@ -192,6 +192,9 @@ class Diagnosis:
 
     def _policy_finding(self):
         rec = self.recommended_policy
+        if any(not math.isfinite(v) for v in self.losses):
+            return ("Recommended policy: none yet: the float32 loss is non-finite, so the half-precision "
+                    "run shows nothing to compare. Fix the float32 loss first, then diagnose again.")
         if rec.compute_dtype == "bfloat16" and self.policy.compute_dtype == "float16":
             return ("Recommended policy: mixed_bfloat16. Activations overflow float16, and the device has "
                     "bfloat16 hardware; bfloat16 has float32's range.")

@@ -107,7 +107,17 @@ def memory_report(model, policy=_OPT_LEVELS, optimizer="adam", batch_size=None, 
     80.0
     >>> print(kmix.memory_report(model, batch_size=32))
     """
-    policies = [Policy(policy)] if isinstance(policy, (str, Policy)) else [Policy(p) for p in policy]
+    if isinstance(policy, (str, Policy, keras.DTypePolicy)):
+        policies = [Policy(policy)]
+    elif isinstance(policy, (list, tuple)):
+        policies = [Policy(p) for p in policy]
+    else:
+        raise TypeError(
+            "`policy` must be a policy (anything `kmix.Policy` accepts, e.g. 'O1') or a list of them. "
+            f"Received: policy={policy!r} (of type {type(policy).__name__})."
+        )
+    if verbose not in (True, False) or not isinstance(verbose, (bool, int)):  # 0 / 1 as Keras's verbose
+        raise TypeError(f"`verbose` must be True or False (or 1 / 0). Received: verbose={verbose!r}.")
     if not policies:
         raise ValueError(f"`policy` must name at least one policy. Received: policy={policy!r}.")
     trainable, non_trainable, activation_elements = _count(model, batch_size)

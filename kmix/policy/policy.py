@@ -308,9 +308,11 @@ def _check_expressible(spec, dtypes):
     params, compute, _ = dtypes
     if params != compute and params != "float32":
         raise ValueError(
-            f"Policy spec {spec!r} asks for {params} parameters with {compute} compute; Keras layers "
-            "either compute in their variables' dtype or keep float32 variables with half compute. "
-            f"Use params=float32, or params={compute} to match compute."
+            f"`spec` asks for {params} parameters with {compute} compute; Keras layers either compute "
+            "in their variables' dtype or keep float32 variables with half compute. Received: "
+            f"spec={spec!r}. "
+            + (f"Use params=float32, or compute={params} to compute in {params} too."
+               if compute == "float32" else f"Use params=float32, or params={compute} to match compute.")
         )
 
 
