@@ -122,6 +122,11 @@ CASES = [
     ("Remat non-layer", lambda m, o: kmix.layers.Remat(3), TypeError, ["layer=3"]),
     ("WithPolicy policy None", lambda m, o: kmix.layers.WithPolicy(keras.layers.Dense(2), None), TypeError, ["spec=None"]),
     ("Policy half on a Keras name", lambda m, o: kmix.Policy("mixed_float16", half="bfloat16"), ValueError, ["half='bfloat16'"]),
+    ("overflow_report top -1", lambda m, o: o.overflow_report(top=-1), ValueError, ["top=-1"]),
+    ("overflow_report top str", lambda m, o: o.overflow_report(top="3"), TypeError, ["top='3'"]),
+    ("diagnose bfloat16_available str", lambda m, o: kmix.diagnose(m, np.ones((4, 3)), np.ones((4, 1)), bfloat16_available="yes"), TypeError, ["bfloat16_available='yes'"]),
+    ("masked_softmax logits str", lambda m, o: kmix.ops.masked_softmax(np.array(["a", "b"])), TypeError, ["logits.dtype=string"]),
+    ("masked_softmax logits scalar", lambda m, o: kmix.ops.masked_softmax(3.0), ValueError, ["logits.shape=()"]),
     ("Scaled factor str", lambda m, o: kmix.schedules.Scaled(keras.optimizers.schedules.ExponentialDecay(1e-3, 10, 0.9), "x"), TypeError, ["factor='x'"]),
 ]
 
@@ -195,3 +200,8 @@ def test_diagnose_with_a_nonfinite_float32_loss_gives_one_verdict():
     text = "\n".join(d.findings)
     assert "non-finite in float32 already" in text, text
     assert "Nothing alarming" not in text, text
+
+
+def test_overflow_report_before_build_says_how_to_build():
+    with pytest.raises(ValueError, match=r"is not built yet.*optimizer\.build\(model\.trainable_variables\)"):
+        kmix.wrap("adam").overflow_report()

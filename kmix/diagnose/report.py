@@ -1,6 +1,7 @@
 """`kmix.Diagnosis`: what `kmix.diagnose` found, as a table, one line per finding, and a PNG."""
 
 import math
+import os
 import re
 
 from kmix import _checks as checks
@@ -252,6 +253,11 @@ class Diagnosis:
         """
         from kmix.diagnose.plot import plot_diagnosis
 
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(
+                f"`path` must be a file path (a str or os.PathLike) for the PNG. Received: path={path!r} "
+                f"(of type {type(path).__name__})."
+            )
         return plot_diagnosis(self, path)
 
 

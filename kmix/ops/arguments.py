@@ -213,7 +213,7 @@ def align_to_logits(tensor, logits_shape, name, logits_name):
 
     ```
     d = tensor's first dimension; b = logits' first; a = the logits' axis R - r
-    d == 1 or r == 1           -> aligned to the last axes (both readings agree)
+    d == 1 or r <= 1           -> aligned to the last axes (both readings agree)
     d fits only one of b, a    -> that reading
     d == b == a, all known     -> ambiguous: ValueError naming the shapes to pass instead
     d known equal to one, the other unknown (None) -> the known one
@@ -237,11 +237,11 @@ def align_to_logits(tensor, logits_shape, name, logits_name):
     r, rank = len(dims), len(goal)
     trailing = [1] * (rank - r) + dims
     batch_first = dims[:1] + [1] * (rank - r) + dims[1:]
-    # The axes after the first align to the last ones in either reading.
-    check_broadcastable([1] * (rank - r + 1) + dims[1:], target, name, logits_name, shown_shape=shape)
-    if r == 1 or dims[0] == 1:
+    if r <= 1 or dims[0] == 1:  # one reading only
         check_broadcastable(trailing, target, name, logits_name, shown_shape=shape)
         return _expand(tensor, rank - r, 0)
+    # The axes after the first align to the last ones in either reading.
+    check_broadcastable([1] * (rank - r + 1) + dims[1:], target, name, logits_name, shown_shape=shape)
     fit_batch, fit_last = _fits(dims[0], goal[0]), _fits(dims[0], goal[rank - r])
     batch_index = "[:" + ", None" * (rank - r) + ", :" * (r - 1) + "]"
     last_index = "[" + ", ".join(["None"] * (rank - r)) + "]"

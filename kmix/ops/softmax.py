@@ -128,13 +128,18 @@ def _masked_softmax(logits, mask, bias, axis, dtype, log, names=None, infinite_l
                 "model use the layer `kmix.layers.MaskedSoftmax` instead."
             )
     logits = tf.convert_to_tensor(logits)
+    if not (logits.dtype.is_floating or logits.dtype.is_integer):
+        raise TypeError(
+            f"Received: {names['logits']}.dtype={logits.dtype.name}; expected a float tensor "
+            "(float16, bfloat16, float32 or float64)."
+        )
     out_dtype = output_dtype(logits.dtype, dtype)
     compute_dtype = tf.float64 if tf.float64 in (logits.dtype, out_dtype) else tf.float32
     rank = logits.shape.rank
-    if rank is None:
+    if rank is None or rank == 0:
         raise ValueError(
-            f"`{names['logits']}` must have a known rank. "
-            f"Received: {names['logits']}.shape={logits.shape}."
+            f"`{names['logits']}` must have a known rank of at least 1 (a softmax normalises over an "
+            f"axis). Received: {names['logits']}.shape={logits.shape}."
         )
     axes = normalize_axis(axis, rank, names["logits"])
     x = tf.cast(logits, compute_dtype)

@@ -108,3 +108,11 @@ def test_functional_model_with_a_padding_mask_input_reads_it_as_a_key_mask():
     with pytest.raises(ValueError, match=r"broadcasts two ways.*mask\[:, None, None, :\]"):
         fresh.predict([RNG.normal(size=(4, 2, 4, 5)).astype(np.float32), np.ones((4, 5), bool)], verbose=0,
                       batch_size=4)
+
+
+def test_scalar_and_rank_one_masks_broadcast_as_numpy():
+    got = kmix.ops.masked_softmax(SCORES, mask=True)
+    np.testing.assert_allclose(np.asarray(got), reference(SCORES)[0], atol=1e-6)
+    last = np.array([1, 1, 0, 1, 0], bool)
+    got = kmix.ops.masked_softmax(SCORES, mask=last)
+    np.testing.assert_allclose(np.asarray(got), reference(SCORES, mask=last)[0], atol=1e-6)
