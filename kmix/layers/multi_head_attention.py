@@ -221,9 +221,11 @@ def _to_scores_rank(tensor, scores_shape, axis, name):
     """
     rank = len(scores_shape)
     if len(tensor.shape) < rank - 1:
+        heads = rank + axis
         without_heads = list(scores_shape)
-        del without_heads[rank + axis]
-        tensor = align_to_logits(tensor, without_heads, name, "attention_scores without the heads axis")
+        del without_heads[heads]
+        # Named as what it is: the scores of one head, `attention_scores[:, 0]` by default.
+        tensor = align_to_logits(tensor, without_heads, name, f"attention_scores[{':, ' * heads}0]")
     return _expand_to_rank(tensor, rank, axis)
 
 
