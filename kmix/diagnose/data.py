@@ -115,9 +115,12 @@ def _check_no_nan(found, dataset):
         nan = total = 0
         for batch in found:
             for leaf in keras.tree.flatten(batch[position]) if batch[position] is not None else []:
-                values = np.asarray(leaf)
-                if np.issubdtype(values.dtype, np.floating):
-                    nan += int(np.isnan(values).sum())
+                try:
+                    values = np.asarray(leaf)
+                except (TypeError, ValueError):  # ragged or sparse: left to the model's own checks
+                    continue
+                if np.issubdtype(values.dtype, np.floating) or values.dtype.name == "bfloat16":
+                    nan += int(np.isnan(values.astype(np.float32)).sum())
                     total += values.size
         if nan:
             where = f"the dataset's {'inputs' if name == 'x' else 'targets'}" if dataset else f"`{name}`"
