@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 from kmix import _checks as checks
-from kmix.policy import Policy
+from kmix.policy.policy import parse
 
 _ARRAYS = "NumPy arrays or tensors (or a list, tuple or dict of them), or a tf.data.Dataset"
 
@@ -28,7 +28,7 @@ def check_model(model):
 
 def check_policy(policy):
     """`policy` as a `kmix.Policy` with half-precision compute; a clear error otherwise."""
-    parsed = Policy(policy)
+    parsed = parse(policy, "policy")
     if parsed.compute_dtype == "float32":
         raise ValueError(
             "`policy` must compute in float16 or bfloat16: diagnose compares the model in float32 "

@@ -55,6 +55,8 @@ class Softmax(keras.layers.Softmax):
     _mask_names = {"bias_where": " of `kmix.layers.MaskedSoftmax`"}
 
     def __init__(self, axis=-1, output_dtype=None, autocast=False, **kwargs):
+        if not isinstance(autocast, bool):
+            raise TypeError(f"`autocast` must be True or False. Received: autocast={autocast!r}.")
         super().__init__(axis=axis, autocast=autocast, **kwargs)
         self.output_dtype = _standardize_output_dtype(output_dtype)
 

@@ -18,7 +18,7 @@ import numbers
 import keras
 import numpy as np
 
-from kmix.policy.policy import Policy
+from kmix.policy.policy import Policy, parse
 
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _PARTS = ("params", "master_weights", "grads", "optimizer_slots", "activations")
@@ -108,9 +108,9 @@ def memory_report(model, policy=_OPT_LEVELS, optimizer="adam", batch_size=None, 
     >>> print(kmix.memory_report(model, batch_size=32))
     """
     if isinstance(policy, (str, Policy, keras.DTypePolicy)):
-        policies = [Policy(policy)]
+        policies = [parse(policy, "policy")]
     elif isinstance(policy, (list, tuple)):
-        policies = [Policy(p) for p in policy]
+        policies = [parse(p, "policy") for p in policy]
     else:
         raise TypeError(
             "`policy` must be a policy (anything `kmix.Policy` accepts, e.g. 'O1') or a list of them. "
@@ -234,8 +234,8 @@ def _slots_per_param(optimizer):
     if optimizer is None:
         return 0
     if isinstance(optimizer, numbers.Real) and not isinstance(optimizer, bool):
-        if optimizer < 0:
-            raise ValueError(f"A slot count must be >= 0. Received: optimizer={optimizer!r}.")
+        if not optimizer >= 0 or optimizer == float("inf"):  # NaN fails `>=`
+            raise ValueError(f"A slot count must be a finite number >= 0. Received: optimizer={optimizer!r}.")
         return optimizer
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
