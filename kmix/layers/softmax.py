@@ -19,8 +19,9 @@ class Softmax(keras.layers.Softmax):
 
     Same call, same mask rule (True or > 0.5 keeps), same errors for masks
     that do not broadcast; a lower-rank mask that broadcasts two ways (a
-    `(B, S)` mask on `(B, H, T, S)` with `B == T`) is refused, not guessed. Masked positions give 0, a fully masked row gives
-    zeros, and gradients are zero there (see `kmix.ops.masked_softmax`).
+    `(B, S)` mask on `(B, H, T, S)` with `B == T`) is refused, not guessed.
+    Masked positions give 0, a fully masked row gives zeros, and gradients
+    are zero there (see `kmix.ops.masked_softmax`).
 
     Args:
         axis: an int or a tuple of ints: the axes normalised over.
