@@ -89,6 +89,13 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
                     "mask as `attention_mask`."
                 )
         in_range = None
+        if attention_mask is not None and len(query.shape) == 3 and len(attention_mask.shape) < 3:
+            # Keras combines `attention_mask` with the causal and padding masks as NumPy
+            # broadcasts, before `_masked_softmax`: read a rank-2 mask by kmix's rule first.
+            scores = (query.shape[0], query.shape[1], (value if key is None else key).shape[1])
+            attention_mask = align_to_logits(
+                ops.convert_to_tensor(attention_mask), scores, "attention_mask", "attention_scores[:, 0]"
+            )
         if attention_mask is not None:
             # Keras casts `attention_mask` to bool (non-zero keeps), which would turn an
             # additive 0 / -1e9 bias given here into its inverse: check it first.

@@ -254,3 +254,13 @@ def test_rank_two_mask_that_reads_two_ways_is_refused():
     value = RNG.normal(size=(T, S, D)).astype(np.float32)
     with pytest.raises(ValueError, match=r"attention_mask.*broadcasts two ways.*attention_mask\[:, None, :\]"):
         layer(query, value, attention_mask=np.ones((T, S), bool))
+
+
+def test_rank_two_key_mask_with_the_causal_mask_is_a_key_mask():
+    """Keras ands `attention_mask` with the causal mask as NumPy broadcasts; kmix reads (B, S) as keys first."""
+    layer = make_layer()
+    key = RNG.random((B, S)) > 0.3
+    _, probs = layer(QUERY, VALUE, attention_mask=key, use_causal_mask=True, return_attention_scores=True)
+    causal = np.tril(np.ones((T, S), bool))
+    full = np.broadcast_to((causal[None] & key[:, None, :])[:, None], (B, HEADS, T, S))
+    np.testing.assert_allclose(np.asarray(probs), reference(layer, QUERY, VALUE, keep=full)[1], atol=1e-5)
