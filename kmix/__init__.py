@@ -1,8 +1,8 @@
 """kmix: safe and fast mixed-precision training for Keras 3 (TensorFlow backend).
 
     import keras, kmix
-    rec = kmix.recommend()                      # measured here: policy and jit_compile
-    model = kmix.autocast(model, rec.policy)
+    rec = kmix.recommend(model, x, y)           # your training step, timed on each route here
+    model = kmix.autocast(model, rec.policy)    # in place: no copy of the weights
     with kmix.policy_scope(rec.policy):
         model.compile(optimizer=kmix.wrap(keras.optimizers.AdamW(3e-4)), loss=...,
                       jit_compile=rec.jit_compile)

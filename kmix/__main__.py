@@ -7,6 +7,7 @@ import sys
 
 BENCHES = {
     "allreduce": "kmix.benchmarks.allreduce",
+    "gpu": "kmix.benchmarks.gpu",
     "memory": "kmix.benchmarks.memory",
     "overhead": "kmix.benchmarks.overhead",
     "predict": "kmix.benchmarks.predict",

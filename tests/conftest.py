@@ -27,6 +27,16 @@ if _cpus:
 from kmix.policy import _state  # noqa: E402  (after the device setup)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` (pytest.ini) need a GPU: skipped, saying so, where TensorFlow sees none."""
+    if tf.config.list_physical_devices("GPU"):
+        return
+    skip = pytest.mark.skip(reason="needs a GPU (marked gpu): `python -m pytest -m gpu` on a GPU machine")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def restore_keras_globals():
     """Restore Keras's global dtype policy and kmix's policy after every test."""

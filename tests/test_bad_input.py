@@ -93,6 +93,50 @@ CASES = [
     ("LossScaleMonitor mode", lambda m, o: kmix.callbacks.LossScaleMonitor(on_min_scale="explode"), ValueError, ["on_min_scale", "explode"]),
     ("NaNGuard lr_factor", lambda m, o: kmix.callbacks.NaNGuard(lr_factor=2.0), ValueError, ["lr_factor"]),
     ("LossScaleWarmup interval", lambda m, o: kmix.callbacks.LossScaleWarmup(growth_interval=0), ValueError, ["growth_interval"]),
+    # Issue 39 item 7: each of wrap's numeric arguments, under a policy without float16 compute too.
+    ("wrap initial_scale str", lambda m, o: kmix.wrap("sgd", initial_scale="big"), TypeError, ["initial_scale='big'", "real number"]),
+    ("wrap initial_scale str dynamic", lambda m, o: kmix.wrap("sgd", dynamic=True, initial_scale="big"), TypeError, ["initial_scale='big'"]),
+    ("wrap initial_scale fixed list", lambda m, o: kmix.wrap("sgd", dynamic=False, initial_scale=[2.0]), TypeError, ["initial_scale=[2.0]"]),
+    ("wrap initial_scale nan", lambda m, o: kmix.wrap("sgd", initial_scale=float("nan")), ValueError, ["initial_scale", "finite"]),
+    ("wrap min_scale str", lambda m, o: kmix.wrap("sgd", min_scale="1"), TypeError, ["min_scale='1'"]),
+    ("wrap max_scale str", lambda m, o: kmix.wrap("sgd", max_scale="x"), TypeError, ["max_scale='x'"]),
+    ("wrap growth_factor None", lambda m, o: kmix.wrap("sgd", growth_factor=None), TypeError, ["growth_factor=None"]),
+    ("wrap backoff_factor str", lambda m, o: kmix.wrap("sgd", backoff_factor="0.5"), TypeError, ["backoff_factor='0.5'"]),
+    ("wrap hysteresis str", lambda m, o: kmix.wrap("sgd", hysteresis="2"), TypeError, ["hysteresis='2'"]),
+    ("wrap accumulation_steps float", lambda m, o: kmix.wrap("sgd", accumulation_steps=2.0), TypeError, ["accumulation_steps=2.0"]),
+    ("wrap dynamic_growth_steps 0", lambda m, o: kmix.wrap("sgd", dynamic_growth_steps=0), ValueError, ["dynamic_growth_steps=0"]),
+    ("wrap dynamic str", lambda m, o: kmix.wrap("sgd", dynamic="yes"), TypeError, ["dynamic='yes'"]),
+    ("wrap unknown keyword", lambda m, o: kmix.wrap("sgd", initial_scael=8.0), TypeError, ["initial_scael=8.0", "initial_scale"]),
+    ("policy params half compute float32", lambda m, o: kmix.Policy("params=float16,compute=float32,output=float32"), ValueError, ["params=float32, or compute=float16"]),
+    ("policy_scope params half compute float32", lambda m, o: kmix.policy_scope("p=bf16,c=f32,o=f32").__enter__(), ValueError, ["params=float32, or compute=bfloat16"]),
+    ("policy params bf16 compute f16", lambda m, o: kmix.Policy("p=bf16,c=f16,o=f32"), ValueError, ["params=float32, or params=float16"]),
+    ("memory_report policy int", lambda m, o: kmix.memory_report(m, 16), TypeError, ["policy=16"]),
+    ("memory_report verbose str", lambda m, o: kmix.memory_report(m, "O1", verbose="yes"), TypeError, ["verbose='yes'"]),
+    ("LearningRateWarmup steps str", lambda m, o: kmix.callbacks.LearningRateWarmup("10"), TypeError, ["warmup_steps='10'"]),
+    ("LossScaleMonitor log_every 0", lambda m, o: kmix.callbacks.LossScaleMonitor(log_every=0), ValueError, ["log_every=0"]),
+    ("LossScaleWarmup initial_scale str", lambda m, o: kmix.callbacks.LossScaleWarmup(initial_scale="big"), TypeError, ["initial_scale='big'"]),
+    ("NaNGuard max_rollbacks -1", lambda m, o: kmix.callbacks.NaNGuard(max_rollbacks=-1), ValueError, ["max_rollbacks=-1"]),
+    ("Softmax output_dtype int8", lambda m, o: kmix.layers.Softmax(output_dtype="int8"), ValueError, ["output_dtype='int8'"]),
+    ("masked_softmax axis out of range", lambda m, o: kmix.ops.masked_softmax(x16, axis=5), ValueError, ["axis=5"]),
+    ("MHA bias int", lambda m, o: kmix.layers.MultiHeadAttention(2, 2)(x16, x16, attention_bias=np.zeros((2, 4, 4), np.int32)), TypeError, ["attention_bias.dtype=int32"]),
+    ("Remat non-layer", lambda m, o: kmix.layers.Remat(3), TypeError, ["layer=3"]),
+    ("WithPolicy policy None", lambda m, o: kmix.layers.WithPolicy(keras.layers.Dense(2), None), TypeError, ["policy=None"]),
+    ("Policy half on a Keras name", lambda m, o: kmix.Policy("mixed_float16", half="bfloat16"), ValueError, ["half='bfloat16'"]),
+    ("overflow_report top -1", lambda m, o: o.overflow_report(top=-1), ValueError, ["top=-1"]),
+    ("overflow_report top str", lambda m, o: o.overflow_report(top="3"), TypeError, ["top='3'"]),
+    ("diagnose bfloat16_available str", lambda m, o: kmix.diagnose(m, np.ones((4, 3)), np.ones((4, 1)), bfloat16_available="yes"), TypeError, ["bfloat16_available='yes'"]),
+    ("masked_softmax logits str", lambda m, o: kmix.ops.masked_softmax(np.array(["a", "b"])), TypeError, ["logits.dtype=string"]),
+    ("masked_softmax logits scalar", lambda m, o: kmix.ops.masked_softmax(3.0), ValueError, ["logits.shape=()"]),
+    ("policy lower case", lambda m, o: kmix.Policy("o1"), ValueError, ["spec='o1'", "Did you mean 'O1'?"]),
+    ("policy Keras name upper case", lambda m, o: kmix.policy_scope("MIXED_FLOAT16").__enter__(), ValueError, ["Did you mean 'mixed_float16'?"]),
+    ("policy name with a bad half", lambda m, o: kmix.Policy("O1-float32"), ValueError, ["spec='O1-float32'", "'O1-bfloat16'"]),
+    ("WithPolicy names policy", lambda m, o: kmix.layers.WithPolicy(keras.layers.Dense(2), 16), TypeError, ["`policy` must be", "policy=16"]),
+    ("WithPolicy unknown policy", lambda m, o: kmix.layers.WithPolicy(keras.layers.Dense(2), "O9"), ValueError, ["policy='O9'"]),
+    ("memory_report unknown policy", lambda m, o: kmix.memory_report(m, ["O1", "O8"]), ValueError, ["policy='O8'"]),
+    ("diagnose unknown policy", lambda m, o: kmix.diagnose(m, np.ones((4, 3)), np.ones((4, 1)), policy="o1"), ValueError, ["policy='o1'", "Did you mean 'O1'?"]),
+    ("Softmax autocast str", lambda m, o: kmix.layers.Softmax(autocast="no"), TypeError, ["autocast='no'"]),
+    ("memory_report slot count nan", lambda m, o: kmix.memory_report(m, "O1", optimizer=float("nan")), ValueError, ["optimizer=nan"]),
+    ("Scaled factor str", lambda m, o: kmix.schedules.Scaled(keras.optimizers.schedules.ExponentialDecay(1e-3, 10, 0.9), "x"), TypeError, ["factor='x'"]),
 ]
 
 
@@ -129,3 +173,44 @@ def test_nan_in_input_data_stops_naming_the_step():
 def test_inf_in_input_data_at_min_scale_raises_naming_step_and_scale():
     message = _fit_bad_data(np.inf, kmix.callbacks.LossScaleMonitor(on_min_scale="raise"))
     assert "step" in message and "scale" in message
+
+
+def _compiled_float32_model():
+    model = _model()
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("where", ["x", "y", "dataset"])
+def test_diagnose_refuses_nan_data_naming_it(where):
+    """Issue 39 item 7: NaN data is named at the call, not reported as 'non-finite' and 'Nothing alarming'."""
+    model = _compiled_float32_model()
+    x, y = np.ones((8, 3), np.float32), np.ones((8, 1), np.float32)
+    (y if where == "y" else x)[3, 0] = np.nan
+    before = [w.copy() for w in model.get_weights()]
+    args = ((__import__("tensorflow").data.Dataset.from_tensor_slices((x, y)).batch(4),) if where == "dataset"
+            else (x, y))
+    name = "y" if where == "y" else "x"
+    with pytest.raises(ValueError) as info:
+        kmix.diagnose(model, *args, policy="mixed_float16", batches=2, batch_size=4)
+    message = str(info.value)
+    assert message.startswith(f"`{name}` holds NaN: 1 of the ") and "Accepted" in message, message
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_diagnose_with_a_nonfinite_float32_loss_gives_one_verdict():
+    """A loss that is non-finite in float32 (here: inf targets) never ends in 'Nothing alarming'."""
+    model = _compiled_float32_model()
+    x, y = np.ones((8, 3), np.float32), np.full((8, 1), np.inf, np.float32)
+    d = kmix.diagnose(model, x, y, policy="mixed_float16", batches=2, batch_size=4)
+    reference = np.mean((model.predict(x[:4], verbose=0) - y[:4]) ** 2)  # the float32 loss, by hand
+    assert not np.isfinite(reference)
+    text = "\n".join(d.findings)
+    assert "non-finite in float32 already" in text, text
+    assert "Nothing alarming" not in text, text
+
+
+def test_overflow_report_before_build_says_how_to_build():
+    with pytest.raises(ValueError, match=r"is not built yet.*optimizer\.build\(model\.trainable_variables\)"):
+        kmix.wrap("adam").overflow_report()

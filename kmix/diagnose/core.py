@@ -80,6 +80,11 @@ def diagnose(model, x, y=None, policy="mixed_float16", batches=4, batch_size=32,
     """
     data.check_model(model)
     policy = data.check_policy(policy)
+    if bfloat16_available is not None and not isinstance(bfloat16_available, bool):
+        raise TypeError(
+            "`bfloat16_available` must be True, False or None (ask this machine). Received: "
+            f"bfloat16_available={bfloat16_available!r}."
+        )
     found = data.batches(x, y, batches, batch_size)
     half = policy.compute_dtype
     limits = probe.HALF_RANGES[half]

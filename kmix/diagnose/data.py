@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 from kmix import _checks as checks
-from kmix.policy import Policy
+from kmix.policy.policy import parse
 
 _ARRAYS = "NumPy arrays or tensors (or a list, tuple or dict of them), or a tf.data.Dataset"
 
@@ -28,7 +28,7 @@ def check_model(model):
 
 def check_policy(policy):
     """`policy` as a `kmix.Policy` with half-precision compute; a clear error otherwise."""
-    parsed = Policy(policy)
+    parsed = parse(policy, "policy")
     if parsed.compute_dtype == "float32":
         raise ValueError(
             "`policy` must compute in float16 or bfloat16: diagnose compares the model in float32 "
@@ -87,6 +87,7 @@ def batches(x, y, count, batch_size):
         found = [keras.utils.unpack_x_y_sample_weight(element) for element in x.take(count)]
         if not found:
             raise ValueError("`x` is an empty tf.data.Dataset; diagnose needs at least one batch.")
+        _check_no_nan(found, dataset=True)
         return found
     batch_size = checks.integer("batch_size", batch_size)
     n = _length("x", x)
@@ -99,7 +100,35 @@ def batches(x, y, count, batch_size):
     for start in range(0, n, batch_size)[:count]:
         cut = lambda a: a[start : start + batch_size]  # noqa: E731
         found.append((keras.tree.map_structure(cut, x), None if y is None else keras.tree.map_structure(cut, y), None))
+    _check_no_nan(found, dataset=False)
     return found
+
+
+def _check_no_nan(found, dataset):
+    """Raises naming `x` or `y` when the batches diagnose would run hold NaN.
+
+    A NaN input makes the float32 loss NaN before any half dtype is involved:
+    there is nothing to diagnose. (Infinities pass: an input may be an
+    additive mask holding -inf.)
+    """
+    for position, name in ((0, "x"), (1, "y")):
+        nan = total = 0
+        for batch in found:
+            for leaf in keras.tree.flatten(batch[position]) if batch[position] is not None else []:
+                try:
+                    values = np.asarray(leaf)
+                except (TypeError, ValueError):  # ragged or sparse: left to the model's own checks
+                    continue
+                if np.issubdtype(values.dtype, np.floating) or values.dtype.name == "bfloat16":
+                    nan += int(np.isnan(values.astype(np.float32)).sum())
+                    total += values.size
+        if nan:
+            where = f"the dataset's {'inputs' if name == 'x' else 'targets'}" if dataset else f"`{name}`"
+            raise ValueError(
+                f"`{name}` holds NaN: {nan} of the {total} values diagnose would run ({where}, the first "
+                "batches). The float32 loss would be NaN already, which no policy explains. Accepted: "
+                f"finite {name} (clean or drop those samples, e.g. np.nan_to_num or a filter), then diagnose."
+            )
 
 
 def _length(name, data):

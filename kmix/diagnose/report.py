@@ -1,6 +1,7 @@
 """`kmix.Diagnosis`: what `kmix.diagnose` found, as a table, one line per finding, and a PNG."""
 
 import math
+import os
 import re
 
 from kmix import _checks as checks
@@ -192,6 +193,9 @@ class Diagnosis:
 
     def _policy_finding(self):
         rec = self.recommended_policy
+        if any(not math.isfinite(v) for v in self.losses):
+            return ("Recommended policy: none yet: the float32 loss is non-finite, so the half-precision "
+                    "run shows nothing to compare. Fix the float32 loss first, then diagnose again.")
         if rec.compute_dtype == "bfloat16" and self.policy.compute_dtype == "float16":
             return ("Recommended policy: mixed_bfloat16. Activations overflow float16, and the device has "
                     "bfloat16 hardware; bfloat16 has float32's range.")
@@ -249,6 +253,11 @@ class Diagnosis:
         """
         from kmix.diagnose.plot import plot_diagnosis
 
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(
+                f"`path` must be a file path (a str or os.PathLike) for the PNG. Received: path={path!r} "
+                f"(of type {type(path).__name__})."
+            )
         return plot_diagnosis(self, path)
 
 

@@ -2,6 +2,10 @@
 
     probs = kmix.layers.MaskedSoftmax()(scores, mask=padding_mask)
     attention = kmix.layers.MultiHeadAttention(num_heads=4, key_dim=32)
+
+A `.keras` file from `model.save` holding them loads after `import kmix`
+(Keras finds registered classes only once their package is imported);
+`kmix.export(model, "model.keras")` writes one that loads without kmix.
 """
 
 from kmix.layers.multi_head_attention import MultiHeadAttention

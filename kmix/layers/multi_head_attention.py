@@ -12,7 +12,7 @@ explicit path around `kmix.ops.masked_softmax`, through the protected
 import keras
 from keras import ops
 
-from kmix.ops.arguments import check_broadcastable, keep_from_mask
+from kmix.ops.arguments import align_to_logits, check_broadcastable, keep_from_mask
 from kmix.ops.softmax import _masked_softmax
 
 _NAMES = {"mask": "attention_mask", "bias": "attention_bias"}
@@ -48,7 +48,9 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         attention_bias: optional additive float bias, shaped like
             `attention_mask` (`(B, T, S)`) or with the heads axis
             (`(B, N, T, S)`), broadcastable: 0 keeps, values <= -1e3 (-1e4,
-            -1e9, `finfo.min`, `-inf`) mask. Combines with every mask.
+            -1e9, `finfo.min`, `-inf`) mask. Combines with every mask. A
+            rank-2 mask or bias is a `(B, S)` key mask or a `(T, S)` one
+            shared over the batch; one that could be either is refused.
 
     Returns:
         The attention output `(B, T, dim)`, and with
@@ -87,6 +89,13 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
                     "mask as `attention_mask`."
                 )
         in_range = None
+        if attention_mask is not None and len(query.shape) == 3 and len(attention_mask.shape) < 3:
+            # Keras combines `attention_mask` with the causal and padding masks as NumPy
+            # broadcasts, before `_masked_softmax`: read a rank-2 mask by kmix's rule first.
+            scores = (query.shape[0], query.shape[1], (value if key is None else key).shape[1])
+            attention_mask = align_to_logits(
+                ops.convert_to_tensor(attention_mask), scores, "attention_mask", "attention_scores[:, 0]"
+            )
         if attention_mask is not None:
             # Keras casts `attention_mask` to bool (non-zero keeps), which would turn an
             # additive 0 / -1e9 bias given here into its inverse: check it first.
@@ -157,10 +166,10 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         expansion_axis = -num_axes * 2 - 1
         bias = getattr(self, "_kmix_attention_bias", None)
         if attention_mask is not None:
-            attention_mask = _expand_to_rank(attention_mask, rank, expansion_axis)
+            attention_mask = _to_scores_rank(attention_mask, attention_scores.shape, expansion_axis, _NAMES["mask"])
         if bias is not None:
             shown_shape = bias.shape
-            bias = _expand_to_rank(bias, rank, expansion_axis)
+            bias = _to_scores_rank(bias, attention_scores.shape, expansion_axis, _NAMES["bias"])
             check_broadcastable(
                 bias.shape, attention_scores.shape, "attention_bias",
                 "attention_scores", shown_shape=shown_shape,
@@ -207,6 +216,24 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
             training=training,
             use_causal_mask=use_causal_mask,
         )
+
+
+def _to_scores_rank(tensor, scores_shape, axis, name):
+    """A mask or bias with the scores' rank: Keras's `(B, T, S)` gets the heads axis at `axis`.
+
+    One of lower rank is first aligned to `(B, T, S)` by the rule of
+    `kmix.ops.arguments.align_to_logits` (a `(B, S)` key mask is
+    `(B, 1, S)`, a `(T, S)` one is shared over the batch, one that could
+    be either is refused), then gets the heads axis.
+    """
+    rank = len(scores_shape)
+    if len(tensor.shape) < rank - 1:
+        heads = rank + axis
+        without_heads = list(scores_shape)
+        del without_heads[heads]
+        # Named as what it is: the scores of one head, `attention_scores[:, 0]` by default.
+        tensor = align_to_logits(tensor, without_heads, name, f"attention_scores[{':, ' * heads}0]")
+    return _expand_to_rank(tensor, rank, axis)
 
 
 def _expand_to_rank(tensor, rank, axis):

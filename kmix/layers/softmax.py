@@ -18,8 +18,10 @@ class Softmax(keras.layers.Softmax):
     """Drop-in `keras.layers.Softmax` that computes in float32 and never NaNs.
 
     Same call, same mask rule (True or > 0.5 keeps), same errors for masks
-    that do not broadcast. Masked positions give 0, a fully masked row gives
-    zeros, and gradients are zero there (see `kmix.ops.masked_softmax`).
+    that do not broadcast; a lower-rank mask that broadcasts two ways (a
+    `(B, S)` mask on `(B, H, T, S)` with `B == T`) is refused, not guessed.
+    Masked positions give 0, a fully masked row gives zeros, and gradients
+    are zero there (see `kmix.ops.masked_softmax`).
 
     Args:
         axis: an int or a tuple of ints: the axes normalised over.
@@ -31,7 +33,9 @@ class Softmax(keras.layers.Softmax):
 
     Call arguments:
         inputs: the logits.
-        mask: optional bool or numeric mask broadcastable to `inputs`; True
+        mask: optional bool or numeric mask broadcastable to `inputs` (of
+            lower rank: a `(B, S)` key mask or a `(T, S)` shared one on
+            `(B, H, T, S)`, see `kmix.ops.masked_softmax`); True
             (or a value > 0.5) keeps a position, as in Keras (torch's
             `key_padding_mask` is the opposite). A numeric mask must hold
             values in [0, 1]: an additive bias (0 / -1e9) raises a
@@ -52,6 +56,8 @@ class Softmax(keras.layers.Softmax):
     _mask_names = {"bias_where": " of `kmix.layers.MaskedSoftmax`"}
 
     def __init__(self, axis=-1, output_dtype=None, autocast=False, **kwargs):
+        if not isinstance(autocast, bool):
+            raise TypeError(f"`autocast` must be True or False. Received: autocast={autocast!r}.")
         super().__init__(axis=axis, autocast=autocast, **kwargs)
         self.output_dtype = _standardize_output_dtype(output_dtype)
 
@@ -95,7 +101,8 @@ class MaskedSoftmax(Softmax):
 
     Call arguments:
         inputs: the logits, e.g. attention scores `(batch, heads, T, S)`.
-        mask: optional bool or numeric mask broadcastable to `inputs`; True
+        mask: optional bool or numeric mask broadcastable to `inputs` (of
+            lower rank, read as `kmix.ops.masked_softmax` says); True
             (or a value > 0.5) keeps, as in Keras. A numeric mask with
             values outside [0, 1] (an additive bias given as `mask`) raises
             a `ValueError`; see `kmix.ops.masked_softmax` for graph mode.

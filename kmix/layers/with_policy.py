@@ -5,7 +5,7 @@ import inspect
 import keras
 
 from kmix import _checks as checks
-from kmix.policy.policy import Policy
+from kmix.policy.policy import Policy, parse
 
 
 @keras.saving.register_keras_serializable(package="kmix")
@@ -48,7 +48,7 @@ class WithPolicy(keras.layers.Layer):
         layer = checks.wrapped_layer(layer)
         if isinstance(policy, dict):
             policy = Policy.from_config(policy)
-        policy = Policy(policy)
+        policy = parse(policy, "policy")
         super().__init__(dtype=policy.to_keras(), **kwargs)
         _apply_policy(layer, policy)
         self.layer = layer

@@ -198,3 +198,85 @@ def check_broadcastable(shape, target_shape, name, target_name, shown_shape=None
             f"more dimensions. Received: {name}.shape={shown}; expected a shape "
             f"broadcastable to {tuple(target_dims)}."
         )
+
+
+def align_to_logits(tensor, logits_shape, name, logits_name):
+    """`tensor` (a mask or bias) with `logits`'s rank, by the rule for masks of lower rank; or raises.
+
+    A tensor of the logits' rank broadcasts as NumPy does. One of lower rank
+    (r >= 2 dimensions against R) can be read two ways that differ only in
+    where its first axis goes: aligned to the last axes, as NumPy
+    broadcasts (a `(T, S)` causal mask shared over the batch ->
+    `(1, 1, T, S)`), or batch-first, its first axis the logits' first (a
+    `(B, S)` key-padding mask on `(B, H, T, S)` scores -> `(B, 1, 1, S)`).
+    Its other axes align to the last ones either way and must broadcast.
+
+    ```
+    d = tensor's first dimension; b = logits' first; a = the logits' axis R - r
+    d == 1 or r <= 1           -> aligned to the last axes (both readings agree)
+    d fits only one of b, a    -> that reading
+    d == b == a, all known     -> ambiguous: ValueError naming the shapes to pass instead
+    d known equal to one, the other unknown (None) -> the known one
+    both unknown               -> batch-first (a dynamic batch-sized mask is a key mask)
+    ```
+
+    Args:
+        tensor: a tensor (the mask or the bias).
+        logits_shape: the logits' shape (a `tf.TensorShape` or tuple).
+        name: the argument's name, for the message.
+        logits_name: the logits' argument name, for the message.
+
+    Returns:
+        `tensor`, with size-1 axes inserted up to the logits' rank where its rank is lower.
+    """
+    shape, target = tf.TensorShape(tensor.shape), tf.TensorShape(logits_shape)
+    if shape.rank is None or target.rank is None or shape.rank >= target.rank:
+        check_broadcastable(shape, target, name, logits_name)
+        return tensor
+    dims, goal = shape.as_list(), target.as_list()
+    r, rank = len(dims), len(goal)
+    trailing = [1] * (rank - r) + dims
+    batch_first = dims[:1] + [1] * (rank - r) + dims[1:]
+    if r <= 1 or dims[0] == 1:  # one reading only
+        check_broadcastable(trailing, target, name, logits_name, shown_shape=shape)
+        return _expand(tensor, rank - r, 0)
+    # The axes after the first align to the last ones in either reading.
+    check_broadcastable([1] * (rank - r + 1) + dims[1:], target, name, logits_name, shown_shape=shape)
+    fit_batch, fit_last = _fits(dims[0], goal[0]), _fits(dims[0], goal[rank - r])
+    batch_index = "[:" + ", None" * (rank - r) + ", :" * (r - 1) + "]"
+    last_index = "[" + ", ".join(["None"] * (rank - r)) + "]"
+    readings = (
+        f"batch-first, {tuple(batch_first)} (pass {name}{batch_index}: one row per example, e.g. a "
+        f"key-padding mask), or aligned to the last axes, {tuple(trailing)} (pass {name}{last_index}: "
+        "shared over the batch, e.g. a causal mask)"
+    )
+    if fit_batch == fit_last == "no":
+        raise ValueError(
+            f"The `{name}` has fewer dimensions than `{logits_name}` and broadcasts to it neither "
+            f"batch-first nor aligned to the last axes. Received: {name}.shape={tuple(dims)}, "
+            f"{logits_name}.shape={tuple(goal)}; expected a shape broadcastable to {tuple(goal)}: "
+            f"with {rank} dimensions, or read {readings}."
+        )
+    if fit_batch == fit_last == "yes":
+        raise ValueError(
+            f"The `{name}` has fewer dimensions than `{logits_name}` and broadcasts two ways: its "
+            f"first axis ({dims[0]}) matches both the batch axis and axis {rank - r}. Received: "
+            f"{name}.shape={tuple(dims)}, {logits_name}.shape={tuple(goal)}. Pass it with {rank} "
+            f"dimensions: {readings}."
+        )
+    first = fit_batch != "no" and not (fit_last == "yes" and fit_batch == "maybe")
+    return _expand(tensor, rank - r, 1 if first else 0)
+
+
+def _fits(dim, target):
+    """'yes', 'no' or 'maybe' (a dimension unknown until the graph runs)."""
+    if dim is None or target is None:
+        return "maybe"
+    return "yes" if dim == target else "no"
+
+
+def _expand(tensor, count, axis):
+    """`tensor` with `count` size-1 axes inserted at `axis` (0: in front; 1: after the batch axis)."""
+    for _ in range(count):
+        tensor = tf.expand_dims(tensor, axis)
+    return tensor

@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kmix.ops.arguments import check_broadcastable, keep_from_mask, normalize_axis, output_dtype, warn_if_keep_mask
+from kmix.ops.arguments import align_to_logits, keep_from_mask, normalize_axis, output_dtype, warn_if_keep_mask
 
 # An additive bias at or below this value masks its position, as `-inf` does.
 # exp(-1e3) is 0 even in float64, so on a row that keeps a position with a
@@ -46,11 +46,19 @@ def masked_softmax(logits, mask=None, bias=None, axis=-1, dtype=None):
     (a keep-mask passed as `bias`, which masks nothing) gives a warning when
     its values are known (eagerly or a constant).
 
+    A mask or bias of lower rank than `logits` is read batch-first or
+    aligned to the last axes, whichever its shape fits
+    (`kmix.ops.arguments.align_to_logits`): on `(B, H, T, S)` scores a
+    `(B, S)` mask is a key mask `(B, 1, 1, S)` and a `(T, S)` one is shared
+    over the batch `(1, 1, T, S)`; one that fits both (`B == T`) raises a
+    `ValueError` naming the shape to pass. With the batch unknown when
+    traced, a mask whose first dimension is unknown too is a key mask.
+
     Args:
         logits: a float tensor (float16, bfloat16, float32 or float64).
         mask: optional; bool, or numeric with values in [0, 1] where a value
             > 0.5 keeps the position (True / 1 keeps, as in Keras).
-            Broadcastable to `logits` without adding dimensions.
+            Broadcastable to `logits`; of lower rank, see below.
         bias: optional additive bias of any float dtype, broadcastable to
             `logits`: 0 keeps, values <= -1e3 (-1e4, -1e9, `finfo.min`,
             `-inf`) mask.
@@ -81,8 +89,8 @@ def masked_log_softmax(logits, mask=None, bias=None, axis=-1, dtype=None):
     Args:
         logits: a float tensor (float16, bfloat16, float32 or float64).
         mask: optional; bool, or numeric with values in [0, 1] where a value
-            > 0.5 keeps the position. Broadcastable to `logits` without
-            adding dimensions.
+            > 0.5 keeps the position. Broadcastable to `logits`, as in
+            `masked_softmax`.
         bias: optional additive bias of any float dtype, broadcastable to
             `logits`: 0 keeps, values <= -1e3 (-1e4, -1e9, `finfo.min`,
             `-inf`) mask.
@@ -120,13 +128,18 @@ def _masked_softmax(logits, mask, bias, axis, dtype, log, names=None, infinite_l
                 "model use the layer `kmix.layers.MaskedSoftmax` instead."
             )
     logits = tf.convert_to_tensor(logits)
+    if not (logits.dtype.is_floating or logits.dtype.is_integer):
+        raise TypeError(
+            f"Received: {names['logits']}.dtype={logits.dtype.name}; expected a float tensor "
+            "(float16, bfloat16, float32 or float64)."
+        )
     out_dtype = output_dtype(logits.dtype, dtype)
     compute_dtype = tf.float64 if tf.float64 in (logits.dtype, out_dtype) else tf.float32
     rank = logits.shape.rank
-    if rank is None:
+    if rank is None or rank == 0:
         raise ValueError(
-            f"`{names['logits']}` must have a known rank. "
-            f"Received: {names['logits']}.shape={logits.shape}."
+            f"`{names['logits']}` must have a known rank of at least 1 (a softmax normalises over an "
+            f"axis). Received: {names['logits']}.shape={logits.shape}."
         )
     axes = normalize_axis(axis, rank, names["logits"])
     x = tf.cast(logits, compute_dtype)
@@ -135,7 +148,7 @@ def _masked_softmax(logits, mask, bias, axis, dtype, log, names=None, infinite_l
     mask_ok = None
     if mask is not None:
         mask = tf.convert_to_tensor(mask)
-        check_broadcastable(mask.shape, logits.shape, names["mask"], names["logits"])
+        mask = align_to_logits(mask, logits.shape, names["mask"], names["logits"])
         keep, mask_ok = keep_from_mask(mask, names)
     if bias is not None:
         bias = tf.convert_to_tensor(bias)
@@ -145,7 +158,7 @@ def _masked_softmax(logits, mask, bias, axis, dtype, log, names=None, infinite_l
                 f"Received: {names['bias']}.dtype={bias.dtype.name}; "
                 f"expected a float dtype (0 keeps, large negatives mask).{hint}"
             )
-        check_broadcastable(bias.shape, logits.shape, names["bias"], names["logits"])
+        bias = align_to_logits(bias, logits.shape, names["bias"], names["logits"])
         warn_if_keep_mask(bias, names)
         bias = tf.cast(bias, compute_dtype)
         # `not (bias <= t)` rather than `bias > t`: a NaN bias stays NaN in the

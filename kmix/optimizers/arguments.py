@@ -28,7 +28,7 @@ def check(inner_optimizer, initial_scale, growth_interval, growth_factor, backof
                 f"one. Received: growth_interval={growth_interval!r}, "
                 f"dynamic_growth_steps={dynamic_growth_steps!r}"
             )
-        growth_interval = dynamic_growth_steps
+        growth_interval = checks.integer("dynamic_growth_steps", dynamic_growth_steps)
     check_inner(inner_optimizer)
     initial_scale = checks.real("initial_scale", initial_scale, low=0.0, low_open=True)
     growth_interval = checks.integer("growth_interval", growth_interval)

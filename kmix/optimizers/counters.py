@@ -11,6 +11,7 @@ decision).
 import keras
 import tensorflow as tf
 
+from kmix import _checks as checks
 from kmix.optimizers import scale_rule
 
 
@@ -45,6 +46,8 @@ def built(opt, name):
 
 def report(paths, counts, top=None):
     """`(path, count)` rows with `count > 0`, most frequent first, then by path; the first `top` only."""
+    if top is not None:
+        top = checks.integer("top", top, minimum=0)
     counts = [int(c) for c in tf.convert_to_tensor(counts).numpy()]
     rows = sorted(((p, c) for p, c in zip(paths, counts) if c > 0), key=lambda row: (-row[1], row[0]))
     return rows if top is None else rows[:top]

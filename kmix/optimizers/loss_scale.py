@@ -206,7 +206,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         Returns:
             `(variable_path, count)` pairs with `count > 0`, by count (descending), then path.
         """
-        return counters.report(self._variable_paths, self.overflow_counts, top)
+        counts = self.overflow_counts  # before build: the ValueError saying how to build it
+        return counters.report(self._variable_paths, counts, top)
 
     # ------------------------------------------------------------ the routes in
     def scale_loss(self, loss):

@@ -28,8 +28,8 @@ class SGD(keras.optimizers.SGD):
     constant learning rate it is Keras's SGD (the buffers differ by the factor
     `-lr`); when the learning rate changes, the current rate applies to the
     whole buffer, as in torch. Use it for float16 parameters without master
-    weights; with float32 master weights (`"O1"`, `"O2"`) Keras's SGD is as
-    good.
+    weights; with float32 parameters (`"O1"`) or float32 master weights
+    (`"O2"`) Keras's SGD is as good.
 
     Args:
         learning_rate: a float, a schedule or a callable, as for Keras's SGD.

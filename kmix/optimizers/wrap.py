@@ -1,10 +1,12 @@
 """`kmix.wrap(optimizer)`: the one call that makes an optimizer mixed-precision safe."""
 
+import inspect
 import logging
 
 import keras
 import tensorflow as tf
 
+from kmix import _checks as checks
 from kmix.optimizers import follow_model
 from kmix.optimizers.loss_scale import LossScaleOptimizer
 
@@ -46,6 +48,7 @@ def wrap(optimizer, **kwargs):
     >>> kmix.wrap("adam", allreduce_dtype="float16")  # gradients summed in float16 across replicas
     >>> kmix.wrap("adam", dynamic=True)  # dynamic scaling from 2^15 (or the advised scale) under any policy
     """
+    _check_keywords(kwargs)
     _enable_multi_worker_fit_in_scope()
     if isinstance(optimizer, LossScaleOptimizer):
         config = optimizer.get_config()
@@ -73,7 +76,9 @@ def wrap(optimizer, **kwargs):
         if not kwargs.get("dynamic", False):  # `dynamic=True` alone starts where a dynamic scale does
             defaults["initial_scale"] = 1.0
     if kwargs.get("dynamic", defaults.get("dynamic", True)) is False and "min_scale" not in kwargs:
-        defaults["min_scale"] = min(1.0, kwargs.get("initial_scale", 1.0))
+        # Checked here first: the floor is computed from it before the constructor's checks run.
+        initial = checks.real("initial_scale", kwargs.get("initial_scale", 1.0), low=0.0, low_open=True)
+        defaults["min_scale"] = min(1.0, initial)
     wrapped = LossScaleOptimizer(inner, **{**defaults, **kwargs})
     # What the caller left to the policy, which `build` may revisit once it knows the model
     # (kmix/optimizers/follow_model.py): a fixed scale becomes dynamic where layers compute in
@@ -82,6 +87,21 @@ def wrap(optimizer, **kwargs):
     wrapped._initial_scale_from_wrap = "initial_scale" not in kwargs
     wrapped._policy_name = follow_model.active_policy_name()
     return wrapped
+
+
+def _check_keywords(kwargs):
+    """A `TypeError` naming keyword arguments that neither kmix's nor Keras's optimizer takes."""
+    ours = [p for p in inspect.signature(LossScaleOptimizer.__init__).parameters
+            if p not in ("self", "inner_optimizer", "kwargs")]
+    # Keras's base arguments (clipnorm, weight_decay, ...) get Keras's own message: set them on the inner optimizer.
+    known = set(ours) | set(inspect.signature(keras.optimizers.Optimizer.__init__).parameters)
+    unknown = sorted(k for k in kwargs if k not in known)
+    if unknown:
+        raise TypeError(
+            f"`kmix.wrap` got unexpected keyword arguments. Received: "
+            + ", ".join(f"{k}={kwargs[k]!r}" for k in unknown)
+            + f". Accepted: {', '.join(ours)} (the arguments of kmix.LossScaleOptimizer)."
+        )
 
 
 def _get_optimizer(optimizer):

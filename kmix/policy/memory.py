@@ -18,7 +18,7 @@ import numbers
 import keras
 import numpy as np
 
-from kmix.policy.policy import Policy
+from kmix.policy.policy import Policy, parse
 
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _PARTS = ("params", "master_weights", "grads", "optimizer_slots", "activations")
@@ -107,7 +107,17 @@ def memory_report(model, policy=_OPT_LEVELS, optimizer="adam", batch_size=None, 
     80.0
     >>> print(kmix.memory_report(model, batch_size=32))
     """
-    policies = [Policy(policy)] if isinstance(policy, (str, Policy)) else [Policy(p) for p in policy]
+    if isinstance(policy, (str, Policy, keras.DTypePolicy)):
+        policies = [parse(policy, "policy")]
+    elif isinstance(policy, (list, tuple)):
+        policies = [parse(p, "policy") for p in policy]
+    else:
+        raise TypeError(
+            "`policy` must be a policy (anything `kmix.Policy` accepts, e.g. 'O1') or a list of them. "
+            f"Received: policy={policy!r} (of type {type(policy).__name__})."
+        )
+    if verbose not in (True, False) or not isinstance(verbose, (bool, int)):  # 0 / 1 as Keras's verbose
+        raise TypeError(f"`verbose` must be True or False (or 1 / 0). Received: verbose={verbose!r}.")
     if not policies:
         raise ValueError(f"`policy` must name at least one policy. Received: policy={policy!r}.")
     trainable, non_trainable, activation_elements = _count(model, batch_size)
@@ -224,8 +234,8 @@ def _slots_per_param(optimizer):
     if optimizer is None:
         return 0
     if isinstance(optimizer, numbers.Real) and not isinstance(optimizer, bool):
-        if optimizer < 0:
-            raise ValueError(f"A slot count must be >= 0. Received: optimizer={optimizer!r}.")
+        if not optimizer >= 0 or optimizer == float("inf"):  # NaN fails `>=`
+            raise ValueError(f"A slot count must be a finite number >= 0. Received: optimizer={optimizer!r}.")
         return optimizer
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer

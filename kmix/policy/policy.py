@@ -107,6 +107,11 @@ class Policy:
         stripped = spec.strip()
         level, _, named_half = stripped.partition("-")
         if level in _OPT_LEVELS and named_half:  # a `name`: "O1-bfloat16"
+            if _DTYPES.get(named_half) not in _HALF:
+                raise ValueError(
+                    f"`spec` names an opt level with a half dtype that is none: {named_half!r}. "
+                    f"Received: spec={spec!r}. Accepted: '{level}-float16' or '{level}-bfloat16'."
+                )
             if half is not None and half != named_half:
                 raise ValueError(
                     f"`spec` names its half dtype, and `half` names another. Received: "
@@ -129,7 +134,9 @@ class Policy:
                 canonical = "params={},compute={},output={}".format(*dtypes)
                 master = dtypes[0] in _HALF
             else:
-                raise ValueError(f"Unknown policy spec {spec!r}. Accepted: {_ACCEPTED}.")
+                raise ValueError(
+                    f"Unknown policy spec. Received: spec={spec!r}.{_did_you_mean(stripped)} Accepted: {_ACCEPTED}."
+                )
         _check_expressible(spec, dtypes)
         set_ = object.__setattr__
         set_(self, "_spec", canonical)
@@ -256,6 +263,33 @@ class Policy:
         )
 
 
+def parse(value, argument):
+    """`kmix.Policy(value)` for a caller whose parameter is named `argument`; its errors name that.
+
+    Args:
+        value: anything `kmix.Policy` accepts.
+        argument: the caller's parameter name (`"policy"`), for the messages.
+
+    Returns:
+        A `kmix.Policy`.
+    """
+    try:
+        return Policy(value)
+    except (TypeError, ValueError) as e:
+        message = str(e).replace("`spec`", f"`{argument}`").replace("spec=", f"{argument}=")
+        raise type(e)(message.replace("Unknown policy spec.", f"Unknown policy spec in `{argument}`.")) from None
+
+
+def _did_you_mean(spec):
+    """' Did you mean ...?' for a spec that differs from an accepted name only in case, else ''."""
+    lowered = spec.lower()
+    for name in _OPT_LEVELS + _KERAS_NAMES:
+        if lowered == name.lower() or lowered.partition("-")[0] == name.lower() != lowered:
+            suggestion = name + (spec[len(name):] if lowered.startswith(name.lower()) else "")
+            return f" Did you mean {suggestion!r}? (Names are case-sensitive.)"
+    return ""
+
+
 def _parse_half(half):
     if half is None:
         return "float16"
@@ -308,9 +342,11 @@ def _check_expressible(spec, dtypes):
     params, compute, _ = dtypes
     if params != compute and params != "float32":
         raise ValueError(
-            f"Policy spec {spec!r} asks for {params} parameters with {compute} compute; Keras layers "
-            "either compute in their variables' dtype or keep float32 variables with half compute. "
-            f"Use params=float32, or params={compute} to match compute."
+            f"`spec` asks for {params} parameters with {compute} compute; Keras layers either compute "
+            "in their variables' dtype or keep float32 variables with half compute. Received: "
+            f"spec={spec!r}. "
+            + (f"Use params=float32, or compute={params} to compute in {params} too."
+               if compute == "float32" else f"Use params=float32, or params={compute} to match compute.")
         )
 
 

@@ -17,6 +17,7 @@ restored step when training begins, and `StopAtStep` ends training after
 batches an uninterrupted run sees after that step.
 
 Usage: python tests/fault/resume_worker.py --backup DIR --log FILE --out FILE.npz [--stall-at STEP]
+    [--mode o2|o1-accumulation]
 `--stall-at` writes the log line of that step and then waits (for SIGKILL).
 """
 
@@ -54,10 +55,14 @@ def batch_at(step):
 
 
 def steps_done(optimizer):
-    """Batches consumed so far: applied (`iterations`) plus skipped."""
+    """Batches consumed so far: applied (`iterations`) plus skipped, in micro-batches when accumulating."""
     if not optimizer.built:
         return 0
-    return int(optimizer.iterations.numpy()) + int(optimizer.skipped_steps.numpy())
+    steps = int(optimizer.iterations.numpy()) + int(optimizer.skipped_steps.numpy())
+    if optimizer.accumulation_steps == 1:
+        return steps
+    # The micro-batches of the open window: kmix's own counter, saved with the optimizer.
+    return steps * optimizer.accumulation_steps + int(optimizer._micro_step.numpy())
 
 
 class DataPosition(keras.callbacks.Callback):
@@ -113,8 +118,11 @@ class StepLog(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
-def build():
-    keras.config.set_dtype_policy("float16")  # float16 parameters: master weights matter
+def build(mode):
+    """`o2`: float16 parameters with float32 master weights. `o1-accumulation`: float32 variables
+    computing in float16 (mixed_float16), two micro-batches a step."""
+    # float16 parameters: master weights matter
+    keras.config.set_dtype_policy("float16" if mode == "o2" else "mixed_float16")
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
         [
@@ -124,9 +132,11 @@ def build():
             keras.layers.Dense(1, dtype="float32"),
         ]
     )
-    optimizer = kmix.wrap(
-        keras.optimizers.Adam(1e-2), master_weights=True, initial_scale=2.0**10, growth_interval=4
-    )
+    if mode == "o2":
+        arguments = dict(master_weights=True)
+    else:
+        arguments = dict(accumulation_steps=2)
+    optimizer = kmix.wrap(keras.optimizers.Adam(1e-2), initial_scale=2.0**10, growth_interval=4, **arguments)
     model.compile(optimizer=optimizer, loss="mse")
     return model
 
@@ -148,10 +158,11 @@ def main():
     parser.add_argument("--log", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--stall-at", type=int)
+    parser.add_argument("--mode", choices=["o2", "o1-accumulation"], default="o2")
     args = parser.parse_args()
     tf.config.experimental.enable_op_determinism()
 
-    model = build()
+    model = build(args.mode)
     position = DataPosition()
     data = tf.data.Dataset.from_generator(
         position.stream,

@@ -18,6 +18,7 @@ import signal
 import time
 
 import numpy as np
+import pytest
 
 from tests.fault.processes import REPO, Worker, report, run_all, worker_env
 
@@ -51,10 +52,13 @@ def wait_for_step(worker, log, step, timeout):
     raise AssertionError(f"no step {step} within {timeout} s:\n{report([worker], [None])}")
 
 
-def test_sigkill_mid_epoch_then_backup_and_restore_matches_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("mode", ["o2", "o1-accumulation"])
+def test_sigkill_mid_epoch_then_backup_and_restore_matches_an_uninterrupted_run(tmp_path, mode):
+    """`o2`: float16 weights, float32 master weights. `o1-accumulation`: mixed_float16, 2 micro-batches a
+    step, checkpointed inside a window (after step 14, its first micro-batch) and killed in another."""
     backup = tmp_path / "backup"
-    reference = start(tmp_path, "uninterrupted", tmp_path / "backup_uninterrupted")
-    killed = start(tmp_path, "killed", backup, "--stall-at", STALL_AT)
+    reference = start(tmp_path, "uninterrupted", tmp_path / "backup_uninterrupted", "--mode", mode)
+    killed = start(tmp_path, "killed", backup, "--stall-at", STALL_AT, "--mode", mode)
     try:
         wait_for_step(killed, tmp_path / "killed.jsonl", STALL_AT, TIMEOUT)
         os.kill(killed.process.pid, signal.SIGKILL)
@@ -68,7 +72,7 @@ def test_sigkill_mid_epoch_then_backup_and_restore_matches_an_uninterrupted_run(
     metadata = json.loads((backup / "training_metadata.json").read_text())
     assert metadata == {"epoch": 1, "batch": CHECKPOINT - 12 - 1}
 
-    restarted = start(tmp_path, "restarted", backup)
+    restarted = start(tmp_path, "restarted", backup, "--mode", mode)
     codes = run_all([restarted], TIMEOUT)
     assert codes == [0], report([restarted], codes)
     assert not backup.exists()  # BackupAndRestore removes it when training ends

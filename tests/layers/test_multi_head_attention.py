@@ -232,3 +232,35 @@ def test_keep_mask_as_attention_bias_warns():
     layer = make_layer()
     with pytest.warns(UserWarning, match=r"attention_bias holding only 0 and 1.*`attention_mask=`"):
         layer(QUERY, VALUE, attention_bias=_keep().astype(np.float32))
+
+
+def test_rank_two_masks_are_read_by_the_documented_rule():
+    """Issue 39 item 6: (B, S) is a key mask, (T, S) is shared over the batch; compared with float64 NumPy."""
+    layer = make_layer()
+    key = RNG.random((B, S)) > 0.3
+    full = np.broadcast_to(key[:, None, None, :], (B, HEADS, T, S))
+    _, probs = layer(QUERY, VALUE, attention_mask=key, return_attention_scores=True)
+    np.testing.assert_allclose(np.asarray(probs), reference(layer, QUERY, VALUE, keep=full)[1], atol=1e-5)
+    causal = np.tril(np.ones((T, S), bool))
+    bias = np.where(causal, 0.0, -1e9).astype(np.float32)
+    _, probs = layer(QUERY, VALUE, attention_bias=bias, return_attention_scores=True)
+    expected = reference(layer, QUERY, VALUE, keep=np.broadcast_to(causal, (B, HEADS, T, S)))[1]
+    np.testing.assert_allclose(np.asarray(probs), expected, atol=1e-5)
+
+
+def test_rank_two_mask_that_reads_two_ways_is_refused():
+    layer = make_layer()
+    query = RNG.normal(size=(T, T, D)).astype(np.float32)  # batch == T: (T, S) could be either reading
+    value = RNG.normal(size=(T, S, D)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"attention_mask.*broadcasts two ways.*attention_mask\[:, None, :\]"):
+        layer(query, value, attention_mask=np.ones((T, S), bool))
+
+
+def test_rank_two_key_mask_with_the_causal_mask_is_a_key_mask():
+    """Keras ands `attention_mask` with the causal mask as NumPy broadcasts; kmix reads (B, S) as keys first."""
+    layer = make_layer()
+    key = RNG.random((B, S)) > 0.3
+    _, probs = layer(QUERY, VALUE, attention_mask=key, use_causal_mask=True, return_attention_scores=True)
+    causal = np.tril(np.ones((T, S), bool))
+    full = np.broadcast_to((causal[None] & key[:, None, :])[:, None], (B, HEADS, T, S))
+    np.testing.assert_allclose(np.asarray(probs), reference(layer, QUERY, VALUE, keep=full)[1], atol=1e-5)

@@ -141,3 +141,41 @@ def test_scope_o1_warns_once_when_layers_are_built_inside_like_set_policy(monkey
     with pytest.warns(UserWarning, match=r"policy_scope\('O2'\)"):
         with policy_scope("O2"):
             keras.layers.Dense(2)
+
+
+def test_concurrent_scopes_in_threads_nest_raise_and_restore_independently():
+    """Issue 39 item 8: two threads nesting scopes at once, one raising, never see each other's policy."""
+    set_policy("O2")
+    barrier = threading.Barrier(2, timeout=30)
+    seen, errors = {}, []
+
+    def worker(name, outer, inner, fail):
+        try:
+            with policy_scope(outer):
+                barrier.wait()  # both threads inside their outer scope at once
+                try:
+                    with policy_scope(inner):
+                        barrier.wait()
+                        seen[name, "inner"] = (active_policy(), keras.config.dtype_policy().name)
+                        if fail:
+                            raise RuntimeError("boom")
+                except RuntimeError:
+                    pass
+                seen[name, "outer"] = (active_policy(), keras.config.dtype_policy().name)
+            seen[name, "after"] = (active_policy(), keras.config.dtype_policy().name)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=("a", "O1", "float32", True)),
+               threading.Thread(target=worker, args=("b", "O3", "mixed_bfloat16", False))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert seen["a", "inner"] == (Policy("float32"), "float32")
+    assert seen["a", "outer"] == (Policy("O1"), "mixed_float16")
+    assert seen["b", "inner"] == (Policy("mixed_bfloat16"), "mixed_bfloat16")
+    assert seen["b", "outer"] == (Policy("O3"), "float16")
+    assert seen["a", "after"] == seen["b", "after"] == (None, "float32")  # each thread's own default
+    assert active_policy() == Policy("O2") and keras.config.dtype_policy().name == "float16"
