@@ -25,8 +25,9 @@ import numpy as np
 
 from kmix.diagnose import islands
 from kmix.placing import place, reload, repair, settle, trace
+from kmix.optimizers.late import warn_if_unscaled
 from kmix.policy import advice
-from kmix._tree import is_graph_model, resolved_policy, walk
+from kmix._tree import is_graph_model, own_weights, resolved_policy, walk
 from kmix.placing.rules import Kind, Rules
 from kmix.policy.policy import Policy
 
@@ -117,6 +118,7 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
     settle.compare(model, settled, specs, outputs)
 
     _warn_repaired(repaired, plan)
+    _warn_too_large(plan)
     if advised is None and policy.compute_dtype == "float16":
         _check_finite_made_up(model, specs, outputs)
     settle.warn(model, settled, stacklevel=3)
@@ -126,6 +128,7 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
         _explain(table, plan, advised.targets, float32_layers)
         _check_finite(model, advised)
     advice.record_model(model, advised and advised.initial_scale, policy.name)  # what kmix.wrap reads
+    warn_if_unscaled(model, policy)
     if verbose:
         print(table)
     return (model, table) if return_table else model
@@ -165,6 +168,10 @@ def _table(plan, before, repaired, settled):
             reason += f" (planned {settled.adopted[id(layer)][1]}: its block makes it so)"
         if id(layer) in settled.unplaced:
             reason += f" (a reload gives {settle.describe_policy(settled.unplaced[id(layer)][2])})"
+        own = resolved_policy(layer).variable_dtype
+        fixed = [v.name for v in own_weights(layer) if keras.backend.standardize_dtype(v.dtype) not in (own, "int32", "int64", "bool")]
+        if fixed and own != "float32":
+            reason += f"; {', '.join(fixed)} kept float32: the layer makes them so under any policy (as Keras's own)"
         table.append(Placement(row.path, cls, old, resolved_policy(layer).name, reason))
     return table
 
@@ -222,6 +229,18 @@ def _warn_repaired(repaired, plan):
             f"the blocks combine their outputs with half tensors ({next(iter(repaired.relaxed.values()))[1]})"
         )
     warnings.warn("kmix.autocast " + "; it ".join(parts) + ".", stacklevel=3)
+
+
+def _warn_too_large(plan):
+    """One warning naming the layers kept in float32 because a variable of theirs does not fit float16."""
+    rows = [row for row in plan if row.kind is Kind.TOO_LARGE]
+    if rows:
+        warnings.warn(
+            f"kmix.autocast kept {[row.path for row in rows]} in float32: a variable of theirs is finite but "
+            f"beyond float16's largest value, 65504 ({rows[0].reason}), and would become inf in float16. "
+            "They compute in float32; to place them in half, scale those weights down first.",
+            stacklevel=4,
+        )
 
 
 def _check_finite_made_up(model, specs, outputs=None):

@@ -10,6 +10,8 @@ objects, new storage), which is safe while no optimizer holds state for them
 and they were not made under a `tf.distribute` strategy (`recast_blocker`).
 """
 
+import warnings
+
 import keras
 import tensorflow as tf
 
@@ -48,14 +50,40 @@ def set_policy(layer, dtype):
     if old.name == new.name:
         return
     if old.variable_dtype != new.variable_dtype:
+        fixed = fixed_dtype_variables(layer, new)
         for variable in own_weights(layer):
-            if keras.backend.standardize_dtype(variable.dtype) == old.variable_dtype:
+            if keras.backend.standardize_dtype(variable.dtype) == old.variable_dtype and id(variable) not in fixed:
                 _compat.recast_variable(variable, new.variable_dtype)
     layer.dtype_policy = new
     if old.compute_dtype != new.compute_dtype:
         for name, value in list(vars(layer).items()):
             if is_constant(value) and keras.backend.standardize_dtype(value.dtype) == old.compute_dtype:
                 setattr(layer, name, keras.ops.cast(value, new.compute_dtype))
+
+
+def fixed_dtype_variables(layer, policy):
+    """The ids of `layer`'s own variables that it makes in a dtype of its own whatever its policy.
+
+    Keras makes LoRA adapters (`lora_kernel_a`, ...) with `dtype="float32"`,
+    and its own half policies keep them so; a custom layer may do the same.
+    The layer is made again from its config under `policy` and built without
+    weights (`keras.StatelessScope`): a variable it makes in another dtype
+    than `policy`'s is one of these, and a reload makes it so too. Where the
+    layer cannot be made so, the variables named `lora_*` are.
+    """
+    weights = own_weights(layer)
+    try:
+        with _compat.stateless(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            twin = type(layer).from_config({**layer.get_config(), "dtype": policy})
+            twin.build_from_config(layer.get_build_config())
+        theirs = own_weights(twin)
+    except Exception:  # noqa: BLE001  a layer that cannot be rebuilt alone: read the names
+        theirs = None
+    if theirs is None or [v.name for v in theirs] != [v.name for v in weights]:
+        return {id(v) for v in weights if v.name.startswith("lora_")}
+    return {id(v) for v, t in zip(weights, theirs)
+            if keras.backend.standardize_dtype(t.dtype) != policy.variable_dtype}
 
 
 def set_output_dtype(layer, float32):

@@ -15,7 +15,7 @@ import re
 import keras
 
 from kmix import _compat
-from kmix._tree import is_graph_model, resolved_policy, walk
+from kmix._tree import is_graph_model, own_weights, resolved_policy, walk
 from kmix.ops import float32_out
 from kmix.placing import norms
 
@@ -149,6 +149,9 @@ class Rules:
             return None, Kind.NESTED, "a nested model: its layers are placed"
         if not self.half_compute:
             return half, Kind.UNIFORM, "float32 policy"
+        too_large = _beyond_float16(layer, self.policy)
+        if too_large:
+            return "float32", Kind.TOO_LARGE, f"{too_large} does not fit float16 (largest 65504)"
         if self.pure:
             return half, Kind.UNIFORM, "pure half policy"
         if in_block and not layer.weights:
@@ -200,6 +203,7 @@ class Kind(enum.Enum):
     UNIFORM = "one policy for every layer (float32 or pure half)"
     IN_BLOCK = "a weightless layer a block makes: as its block makes it"
     OUTPUT = "produces a model output: float32"
+    TOO_LARGE = "a variable beyond float16's range (65504): float32, so that no finite value becomes inf"
     HALF_OUT = "produces a model output: its matmul in half, its activation and output float32"
     ISLAND = "a float32 island of the rules (a norm, a router, a sinusoidal embedding): gives way to its block"
     FLOAT32_OP = "softmax / log-softmax: float32"
@@ -318,6 +322,27 @@ def is_router(layer, block):
         return True
     moe_block = re.search(r"Sparse|Mo[Ee]Block|Mo[Ee]Layer", block_name) is not None
     return moe_block and re.search(r"gate|router", name) is not None and "expert" not in name
+
+
+def _beyond_float16(layer, policy):
+    """`"<variable> (|x| up to <max>)"` for the first own variable of `layer` float16 cannot hold, or None.
+
+    Only under a policy that computes or stores in float16 (bfloat16 has
+    float32's range). A finite value beyond 65504 would become inf there.
+    """
+    if "float16" not in (policy.compute_dtype, policy.params_dtype):
+        return None
+    for variable in own_weights(layer):
+        dtype = keras.backend.standardize_dtype(variable.dtype)
+        if not keras.backend.is_float_dtype(dtype) or 0 in tuple(variable.shape):
+            continue
+        largest = float(keras.ops.max(keras.ops.abs(keras.ops.cast(variable, "float32"))))
+        if FLOAT16_MAX < largest < float("inf"):
+            return f"{variable.name} (|x| up to {largest:.3g})"
+    return None
+
+
+FLOAT16_MAX = 65504.0
 
 
 def _is_normalization(layer):

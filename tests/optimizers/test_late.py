@@ -102,11 +102,6 @@ def test_no_warning_where_the_loss_is_scaled_or_need_not_be(case):
         assert _scale_applied(model) > 1.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="#39 item 4: enable (remove this mark) once kmix/placing/autocast.py calls "
-    "kmix.optimizers.late.warn_if_unscaled(model, policy) at its end",
-)
 def test_autocast_itself_warns_once_on_a_plain_compiled_model():
     model = _model()
     model.compile(optimizer="adam", loss="mse")
