@@ -1,9 +1,9 @@
-"""The placed model called once symbolically: where two dtypes meet in a block, a placement gives way.
+"""The placed model called once (autocast's check): where two dtypes meet in a block, the plan gives way.
 
 A block (a custom layer, a keras-hub transformer layer) combines its
 sublayers' outputs with raw TensorFlow ops (`x * mask`, `a @ v`,
-`x + residual`), which do not promote dtypes. Where one symbolic call of the
-placed model raises a dtype error in a block that computes in half:
+`x + residual`), which do not promote dtypes. Where one call of the placed
+model raises a dtype error in a block that computes in half:
 
 1. the float32 islands the rules made inside it (a norm that squares in
    half, a router) take the block's policy, as a model built under the half
@@ -51,7 +51,7 @@ class Repaired:
 
 
 def repair(model, specs, plan):
-    """Calls `model` symbolically and changes the placement where a dtype clash raises.
+    """Calls `model` once and changes the placement where a dtype clash raises.
 
     Args:
         model: the placed model.
