@@ -126,6 +126,9 @@ class Rules:
         kept = _subtree_ids([layer for _, layer, _ in rows if isinstance(layer, WithPolicy)])
         named = _subtree_ids([layer for path, layer, _ in rows if layer.name in self.names or path in self.names])
         outputs = _output_layers(model) if outputs is None else set(outputs)
+        # An output layer hands float32 out through its activation, which a reload keeps only where
+        # the model's config lists the layer's own config (a constructor re-creates the others).
+        listed = saved_layers(model) if outputs and self.half_compute and not self.pure else set()
         planned = {}  # id(layer) -> the policy name planned for it (a block's, for its sublayers)
         plan = Plan()
         for path, layer, parent in rows:
@@ -133,7 +136,8 @@ class Rules:
                 dtype, kind, reason = None, Kind.KEPT, "WithPolicy: kept"
             else:
                 in_block = not is_graph_model(parent)
-                dtype, kind, reason = self._place(layer, id(layer) in named, id(layer) in outputs, in_block, parent)
+                output = id(layer) in outputs and ("listed" if id(layer) in listed else "made")
+                dtype, kind, reason = self._place(layer, id(layer) in named, output, in_block, parent)
                 if kind is Kind.IN_BLOCK:
                     dtype, reason = _follow_block(layer, parent, planned)
             planned[id(layer)] = dtype
@@ -162,7 +166,8 @@ class Rules:
             if any(True for _ in walk(layer)):
                 # Inside, a block adds and multiplies raw tensors, which must share one dtype.
                 return half, Kind.HALF, "model output, but a block: keeps its dtype"
-            if isinstance(layer, _HALF_LAYERS) and float32_out.wrap(getattr(layer, "activation", False)):
+            if output == "listed" and isinstance(layer, _HALF_LAYERS) and float32_out.wrap(
+                    getattr(layer, "activation", False)):
                 # As TensorFlow's guide and torch autocast: the matmul in half, the output in float32.
                 return half, Kind.HALF_OUT, "model output: matmul in half, activation and output float32"
             return "float32", Kind.OUTPUT, "model output"
