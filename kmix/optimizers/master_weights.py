@@ -7,12 +7,24 @@ model variable receives the copy rounded to its dtype after every step;
 `"kahan"` keeps a 2-byte remainder instead (kmix/optimizers/kahan.py).
 """
 
+import functools
+
 import keras
 import tensorflow as tf
 
 from kmix.optimizers import kahan
 
 _HALF = ("float16", "bfloat16")
+
+
+class ByIndex(dict):
+    """`{index in the model's variable list: variable}`: the float32 copies, or the Kahan buffers.
+
+    A dict subclass because TensorFlow's checkpoint tracking wraps a plain
+    dict assigned to a trackable's attribute and refuses its int keys
+    (`tf.train.Checkpoint`, `model.export`); it leaves other types alone. The
+    variables are saved once, as the optimizer's variables.
+    """
 
 
 def auto_master_weights():
@@ -46,7 +58,7 @@ def create_for(optimizer, request, var_list):
         `(masters, compensation)`: `{index in var_list: variable}` each, one of them empty.
     """
     if not request or not any(keras.backend.standardize_dtype(v.dtype) in _HALF for v in var_list):
-        return {}, {}
+        return ByIndex(), ByIndex()
     if optimizer.inner_optimizer.built:
         raise ValueError(
             f"master_weights={request!r} needs an inner optimizer that is not built yet, so that it "
@@ -55,8 +67,8 @@ def create_for(optimizer, request, var_list):
             "master_weights=False."
         )
     if request == "kahan":
-        return {}, kahan.create_buffers(optimizer, var_list)
-    return create_masters(optimizer, var_list), {}
+        return ByIndex(), ByIndex(kahan.create_buffers(optimizer, var_list))
+    return ByIndex(create_masters(optimizer, var_list)), ByIndex()
 
 
 def create_masters(optimizer, var_list):
@@ -70,20 +82,27 @@ def create_masters(optimizer, var_list):
         if keras.backend.standardize_dtype(v.dtype) not in _HALF:
             continue
         name = (getattr(v, "path", None) or v.name).replace("/", "_").replace(":", "_")
+        # The model's value as the initializer, not an assign after creation: a checkpoint read
+        # before the optimizer is built (`tf.train.Checkpoint(...).read` then `fit`) restores each
+        # copy as Keras creates it, and an assign would overwrite it. The value is read now
+        # (init_scope: `fit` may build the optimizer while tracing its step), so that the
+        # initializer is a constant TensorFlow can lift out of the trace, under XLA too.
+        with tf.init_scope():
+            value = tf.cast(tf.convert_to_tensor(v), tf.float32)
         copy = optimizer.add_variable(
             shape=tuple(v.shape),
             dtype="float32",
-            initializer="zeros",
+            initializer=functools.partial(_constant, value),
             aggregation="none",
             name=f"master_{name}",
         )
-        # `build` can run while `model.fit` traces its first train step; an assign
-        # traced there lands in TensorFlow's variable-creation trace, which is
-        # never run, and the copy would start at zero. init_scope runs it now.
-        with tf.init_scope():
-            copy.assign(tf.cast(tf.convert_to_tensor(v), tf.float32))
         masters[i] = copy
     return masters
+
+
+def _constant(value, shape=None, dtype=None):
+    """An initializer that returns `value` (read from the model variable when its copy was made)."""
+    return value
 
 
 def sync_from_model(masters, model_variables, indices):
