@@ -5,7 +5,7 @@ Per trainable parameter, with `s` optimizer slots per parameter:
 | part            | bytes                                                        |
 |-----------------|--------------------------------------------------------------|
 | parameters      | size(params dtype), non-trainable variables included         |
-| master weights  | 4 when the policy keeps float32 copies of half parameters; 2 for `master_weights="kahan"` (the compensation buffers, float16) |
+| master weights  | 4 for float32 copies of half parameters; 2 for `"kahan"` (float16 buffers) |
 | gradients       | size(params dtype)                                           |
 | optimizer slots | s x 4 with float32 master weights or `"kahan"` (float32 slots), else s x size(params dtype) |
 
@@ -284,9 +284,12 @@ def _state_bytes(optimizer, slots, params_dtype, mode):
 
 
 def _nbytes(variables):
-    return sum(int(np.prod(v.shape)) * np.dtype(keras.backend.standardize_dtype(v.dtype)).itemsize
-               if keras.backend.standardize_dtype(v.dtype) != "bfloat16" else 2 * int(np.prod(v.shape))
-               for v in variables)
+    """The bytes of `variables`' values."""
+    total = 0
+    for v in variables:
+        dtype = keras.backend.standardize_dtype(v.dtype)
+        total += int(np.prod(v.shape)) * _BYTES.get(dtype, np.dtype(dtype).itemsize if dtype != "bfloat16" else 2)
+    return total
 
 
 def _fresh(optimizer):

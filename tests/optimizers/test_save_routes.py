@@ -48,7 +48,8 @@ def train(model, epochs=1, **kwargs):
 
 def state(model):
     """`[(path, value)]` of every model and optimizer variable (weights, copies, buffers, slots, scale)."""
-    return [(v.path, np.array(keras.ops.convert_to_numpy(v))) for v in list(model.weights) + list(model.optimizer.variables)]
+    variables = list(model.weights) + list(model.optimizer.variables)
+    return [(v.path, np.array(keras.ops.convert_to_numpy(v))) for v in variables]
 
 
 def assert_same(got, expected):
