@@ -7,8 +7,6 @@ model variable receives the copy rounded to its dtype after every step;
 `"kahan"` keeps a 2-byte remainder instead (kmix/optimizers/kahan.py).
 """
 
-import functools
-
 import keras
 import tensorflow as tf
 
@@ -82,27 +80,24 @@ def create_masters(optimizer, var_list):
         if keras.backend.standardize_dtype(v.dtype) not in _HALF:
             continue
         name = (getattr(v, "path", None) or v.name).replace("/", "_").replace(":", "_")
-        # The model's value as the initializer, not an assign after creation: a checkpoint read
-        # before the optimizer is built (`tf.train.Checkpoint(...).read` then `fit`) restores each
-        # copy as Keras creates it, and an assign would overwrite it. The value is read now
-        # (init_scope: `fit` may build the optimizer while tracing its step), so that the
-        # initializer is a constant TensorFlow can lift out of the trace, under XLA too.
-        with tf.init_scope():
-            value = tf.cast(tf.convert_to_tensor(v), tf.float32)
         copy = optimizer.add_variable(
             shape=tuple(v.shape),
             dtype="float32",
-            initializer=functools.partial(_constant, value),
+            initializer="zeros",
             aggregation="none",
             name=f"master_{name}",
         )
+        # `build` can run while `model.fit` traces its first train step; an assign traced there
+        # lands in TensorFlow's variable-creation trace, which is never run: init_scope runs it
+        # now. Only where the copy is still zero: a checkpoint read before the optimizer was
+        # built (`tf.train.Checkpoint(...).read`, then `fit`) restored it as Keras created it
+        # (where the saved copy is 0, the model's value is 0 too).
+        with tf.init_scope():
+            value, current = tf.cast(tf.convert_to_tensor(v), tf.float32), tf.convert_to_tensor(copy)
+            # (While Keras builds symbolically the new variable reads empty: nothing was restored.)
+            copy.assign(tf.where(tf.equal(current, 0.0), value, current) if current.shape == value.shape else value)
         masters[i] = copy
     return masters
-
-
-def _constant(value, shape=None, dtype=None):
-    """An initializer that returns `value` (read from the model variable when its copy was made)."""
-    return value
 
 
 def sync_from_model(masters, model_variables, indices):
