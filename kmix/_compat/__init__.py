@@ -23,12 +23,15 @@ from kmix._compat.layers import (
 )
 from kmix._compat.optimizer import (
     adam_slots,
+    key_as,
     learning_rate_object,
+    leave_weight_decay_of,
     model_building,
     no_automatic_dependency_tracking,
     optimizer_variable_key,
     strategy_supports_no_merge_call,
     take_gradients_as_reduced,
+    weight_decay_applies,
 )
 from kmix._compat.runtime import onednn_enabled, xplane_proto
 from kmix._compat.stateless import stateless
@@ -56,8 +59,10 @@ __all__ = [
     "keras_multi_worker_bugs",
     "keras_reduce_per_replica",
     "keras_steps_in_cond",
+    "key_as",
     "keras_symbolic_build",
     "learning_rate_object",
+    "leave_weight_decay_of",
     "model_building",
     "model_distribute_strategy",
     "no_automatic_dependency_tracking",
@@ -76,5 +81,6 @@ __all__ = [
     "stateless",
     "sublayers",
     "take_gradients_as_reduced",
+    "weight_decay_applies",
     "xplane_proto",
 ]

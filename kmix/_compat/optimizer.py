@@ -106,3 +106,42 @@ def adam_slots(optimizer, variable):
     """
     index = optimizer._get_variable_index(variable)
     return optimizer._momentums[index], optimizer._velocities[index]
+
+
+def key_as(holder, optimizer, variable):
+    """Makes Keras's optimizer file `holder` under `variable`'s key (its slots, its weight decay).
+
+    `master_weights="kahan"` hands the inner optimizer's `update_step` a
+    float32 view of a half variable (kmix/optimizers/kahan.py), so that Keras's
+    own arithmetic runs in float32; the update looks its slots up with the
+    private `_get_variable_index`, which reads the key through the private
+    `_var_key`: for an object that is no variable, its `_unique_id`.
+    """
+    holder._unique_id = optimizer._var_key(variable)
+
+
+def weight_decay_applies(optimizer, variable):
+    """Whether a Keras optimizer decays `variable` (`weight_decay` set, not excluded by name or id).
+
+    Keras decides this in the private `_use_weight_decay` (its
+    `exclude_from_weight_decay` lists); `"kahan"` applies the decay of its
+    half variables itself, in float32 with the update.
+    """
+    return optimizer.weight_decay is not None and bool(optimizer._use_weight_decay(variable))
+
+
+def leave_weight_decay_of(optimizer, keys):
+    """Makes a Keras optimizer's own weight decay skip the variables whose keys are in `keys`.
+
+    Keras's TensorFlow optimizer writes the decoupled decay (AdamW, `weight_decay=`)
+    straight into each variable, in its dtype, from the private
+    `_apply_weight_decay`: for a bfloat16 variable `lr * wd * w` rounds away.
+    `"kahan"` adds the decay of those variables to their float32 update
+    instead; this instance's `_apply_weight_decay` passes Keras the others.
+    """
+    original = optimizer._apply_weight_decay
+
+    def apply_weight_decay(variables):
+        return original([v for v in variables if optimizer._var_key(v) not in keys])
+
+    optimizer._apply_weight_decay = apply_weight_decay

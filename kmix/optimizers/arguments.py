@@ -7,7 +7,7 @@ was received and what is accepted (`kmix._checks` words them).
 import keras
 
 from kmix import _checks as checks
-from kmix.optimizers import allreduce
+from kmix.optimizers import allreduce, kahan
 from kmix.optimizers import master_weights as mw
 
 
@@ -53,7 +53,9 @@ def check(inner_optimizer, initial_scale, growth_interval, growth_factor, backof
         )
     if master_weights == "auto":
         master_weights = mw.auto_master_weights()
-    elif not isinstance(master_weights, bool) and master_weights != "kahan":
+    elif master_weights == "kahan":
+        kahan.check_inner(inner_optimizer)
+    elif not isinstance(master_weights, bool):
         raise ValueError(
             "`master_weights` must be 'auto', True, False or 'kahan'. "
             f"Received: master_weights={master_weights!r}"

@@ -1,5 +1,6 @@
 """`kmix.LossScaleOptimizer`: dynamic loss scaling with bounds, hysteresis and counters."""
 
+import contextlib
 import functools
 
 import keras
@@ -7,7 +8,7 @@ import tensorflow as tf
 
 from kmix._compat import model_building, no_automatic_dependency_tracking, optimizer_variable_key
 from kmix._compat import take_gradients_as_reduced
-from kmix.optimizers import accumulation, allreduce, arguments, counters, follow_model, fused_adam
+from kmix.optimizers import accumulation, allreduce, arguments, counters, follow_model, fused_adam, kahan
 from kmix.optimizers import master_weights as mw
 from kmix.optimizers import nontrainable, replicas, scaled_check
 from kmix.optimizers.scaled_check import unscale
@@ -56,10 +57,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             trainable variables for the inner optimizer to update; `False`
             updates the variables directly; `"auto"` (the default) is `True`
             unless the active policy has half parameters and asks for none
-            (`"O3"`, `"float16"`, `"bfloat16"`). `"kahan"`: a half buffer of
-            each update's rounding error instead of a float32 copy (bfloat16
-            parameters; Adam needs `beta_2 <= 0.99`); see
-            `kmix.optimizers.master_weights`.
+            (`"O3"`, `"float16"`, `"bfloat16"`). `"kahan"`: a 2-byte buffer
+            of each update's rounding remainder instead of a float32 copy;
+            the inner optimizer computes in float32 with float32 slots
+            (SGD, Adam, AdamW, RMSprop, Adagrad, Adamax, Lion, Lamb,
+            Adadelta); see `kmix.optimizers.kahan`.
         accumulation_steps: micro-batches per optimizer step, an int >= 1. Their
             unscaled float32 gradients are summed and their mean applied once;
             one overflow discards the whole step (see `flush` for the
@@ -135,11 +137,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._masters, self._kahan = mw.create_for(self, self._master_weights_request, var_list)
         # Keras's build creates `step_counter` and `dynamic_scale` and builds the inner
         # optimizer on the list it is given: the float32 copies where there are some.
-        super().build([self._masters.get(i, v) for i, v in enumerate(var_list)])
+        with kahan.float32_slots(self.inner_optimizer) if self._kahan else contextlib.nullcontext():
+            super().build([self._masters.get(i, v) for i, v in enumerate(var_list)])
         if self.allreduce_dtype is not None:
             take_gradients_as_reduced(self.inner_optimizer)  # `apply` hands it the sums
         if self._kahan:
-            mw.install_kahan_hooks(self.inner_optimizer, {
+            kahan.install(self.inner_optimizer, {
                 optimizer_variable_key(self.inner_optimizer, var_list[i]): (var_list[i], c)
                 for i, c in self._kahan.items()})
         counters.create(self, len(var_list))

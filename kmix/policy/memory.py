@@ -5,12 +5,15 @@ Per trainable parameter, with `s` optimizer slots per parameter:
 | part            | bytes                                                        |
 |-----------------|--------------------------------------------------------------|
 | parameters      | size(params dtype), non-trainable variables included         |
-| master weights  | 4 when the policy keeps float32 copies of half parameters; size(params dtype) for `master_weights="kahan"` (the compensation buffers) |
+| master weights  | 4 for float32 copies of half parameters; 2 for `"kahan"` (float16 buffers) |
 | gradients       | size(params dtype)                                           |
-| optimizer slots | s x 4 with float32 master weights (the slots live on the copies), else s x size(params dtype) |
+| optimizer slots | s x 4 with float32 master weights or `"kahan"` (float32 slots), else s x size(params dtype) |
 
-So 8e9 parameters in bfloat16 with float32 masters and Adam (s = 2) take
-16 + 32 + 16 + 64 = 128 GB before activations.
+The master-weight and slot bytes are measured: the optimizer is built, as
+`kmix.wrap` would build it, on a probe variable of the policy's parameter
+dtype, and its variables' bytes counted. So 8e9 parameters in bfloat16 with
+float32 masters and Adam (s = 2) take 16 + 32 + 16 + 64 = 128 GB before
+activations; with `"kahan"` 16 + 16 + 16 + 64 = 112 GB.
 """
 
 import numbers
@@ -89,8 +92,9 @@ def memory_report(model, policy=_OPT_LEVELS, optimizer="adam", batch_size=None, 
         master_weights: `None` (the default) follows each policy (float32
             copies where it asks for them), or the `master_weights` argument
             of `kmix.wrap` (`"auto"` is the same as `None`): `True`, `False`
-            or `"kahan"` (a compensation buffer in the parameters' dtype
-            instead of a float32 copy; the slots take the parameters' dtype).
+            or `"kahan"` (a 2-byte compensation buffer instead of a float32
+            copy; the slots stay float32). The bytes are measured on the
+            optimizer built on a probe variable.
             A kmix `LossScaleOptimizer` passed as `optimizer` gives its own.
 
     Returns:
@@ -104,7 +108,7 @@ def memory_report(model, policy=_OPT_LEVELS, optimizer="adam", batch_size=None, 
     128.0
     >>> kahan = kmix.memory_report(8e9, kmix.Policy("O2", half="bfloat16"), "adam", master_weights="kahan")
     >>> kahan["O2-bfloat16"]["total"] / 1e9
-    80.0
+    112.0
     >>> print(kmix.memory_report(model, batch_size=32))
     """
     if isinstance(policy, (str, Policy, keras.DTypePolicy)):
@@ -134,14 +138,13 @@ def memory_report(model, policy=_OPT_LEVELS, optimizer="adam", batch_size=None, 
     rows = {}
     for p in policies:
         param_size = _BYTES[p.params_dtype]
-        half = p.params_dtype != "float32"
-        masters = half and (p.needs_master_weights if master_weights is None else master_weights is True)
-        kahan = half and master_weights == "kahan"
+        mode = p.needs_master_weights if master_weights is None else master_weights
+        copy_bytes, slot_bytes = _state_bytes(optimizer, slots, p.params_dtype, mode)
         row = {
             "params": (trainable + non_trainable) * param_size,
-            "master_weights": trainable * (4 if masters else param_size if kahan else 0),
+            "master_weights": trainable * copy_bytes,
             "grads": trainable * param_size,
-            "optimizer_slots": slots * trainable * (4 if masters else param_size),
+            "optimizer_slots": trainable * slot_bytes,
             "activations": None
             if activation_elements is None
             else activation_elements * _BYTES[p.compute_dtype],
@@ -259,6 +262,53 @@ def _slots_per_param(optimizer):
     probe_opt.build([probe])
     slot_elements = sum(int(np.prod(v.shape)) for v in probe_opt.variables if len(v.shape) > 0)
     return slot_elements / size
+
+
+def _state_bytes(optimizer, slots, params_dtype, mode):
+    """`(copy bytes, slot bytes)` per parameter of `params_dtype` under `master_weights=mode`.
+
+    Measured: a `kmix.LossScaleOptimizer` around a fresh copy of `optimizer`
+    is built on a probe variable of `params_dtype`, and the bytes of its
+    float32 copies or Kahan buffers and of its inner optimizer's slots are
+    counted. A slot count (an int) is costed by the rule instead: float32
+    copies 4 bytes, Kahan buffers 2, slots 4 bytes each with either, else
+    in the parameters' dtype.
+    """
+    half = params_dtype != "float32"
+    if not half or mode is None or isinstance(mode, bool) and not mode:
+        mode = False
+    if optimizer is None or slots == 0:
+        return {True: 4, "kahan": 2, False: 0}[mode], 0
+    if isinstance(optimizer, numbers.Real):
+        return {True: 4, "kahan": 2, False: 0}[mode], slots * (4 if mode else _BYTES[params_dtype])
+    from kmix.optimizers.loss_scale import LossScaleOptimizer
+
+    wrapped = LossScaleOptimizer(_fresh(optimizer), dynamic=False, initial_scale=1.0, master_weights=mode,
+                                 fused_update=False)
+    size = 4096
+    probe = keras.Variable(np.zeros((64, 64), np.float32), dtype=params_dtype, name="memory_report_probe")
+    wrapped.build([probe])
+    state = list(wrapped._masters.values()) + list(wrapped._kahan.values())
+    slot_vars = [v for v in wrapped.inner_optimizer.variables if len(v.shape) > 0]
+    return _nbytes(state) / size, _nbytes(slot_vars) / size
+
+
+def _nbytes(variables):
+    """The bytes of `variables`' values."""
+    total = 0
+    for v in variables:
+        dtype = keras.backend.standardize_dtype(v.dtype)
+        total += int(np.prod(v.shape)) * _BYTES.get(dtype, np.dtype(dtype).itemsize if dtype != "bfloat16" else 2)
+    return total
+
+
+def _fresh(optimizer):
+    """An unbuilt copy of `optimizer` (an instance, a name or a config; a loss-scale one's inner)."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        return type(optimizer).from_config(optimizer.get_config())
+    return keras.optimizers.get(optimizer)
 
 
 def _format_bytes(n):

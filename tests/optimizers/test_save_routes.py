@@ -1,0 +1,135 @@
+"""Every save route keeps the loss-scale optimizer's state: master weights, Kahan buffers, the scale.
+
+For O1, O2 (float16 and bfloat16) and `master_weights="kahan"`: what
+`tf.train.Checkpoint`, `.keras`, `.weights.h5` and `BackupAndRestore` wrote
+comes back bit for bit (every model and optimizer variable, by path), and
+training goes on exactly as the run that was never interrupted (the
+reference). `model.export` serves what the model computes.
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmix
+
+CONFIGS = {
+    "O1-float16": ("O1", "float16", "auto"),
+    "O2-float16": ("O2", "float16", "auto"),
+    "O2-bfloat16": ("O2", "bfloat16", "auto"),
+    "O2-bfloat16-kahan": ("O2", "bfloat16", "kahan"),
+}
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(64, 6)).astype(np.float32)
+Y = (X @ RNG.normal(size=(6, 1)) + 0.1).astype(np.float32)
+
+
+def make(config):
+    """A placed, compiled model; its optimizer grows the scale every 3 steps, so the scale moves."""
+    level, half, master_weights = CONFIGS[config]
+    policy = kmix.Policy(level, half=half)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu", name="hidden"),
+                              keras.layers.Dense(16, activation="relu", name="middle"),
+                              keras.layers.Dense(1, name="head")])
+    model = kmix.autocast(model, policy)
+    with kmix.policy_scope(policy):
+        opt = kmix.wrap(keras.optimizers.Adam(3e-3), master_weights=master_weights, growth_interval=3)
+        model.compile(optimizer=opt, loss="mse")
+    return model
+
+
+def train(model, epochs=1, **kwargs):
+    model.fit(X, Y, batch_size=16, epochs=epochs, shuffle=False, verbose=0, **kwargs)
+
+
+def state(model):
+    """`[(path, value)]` of every model and optimizer variable (weights, copies, buffers, slots, scale)."""
+    variables = list(model.weights) + list(model.optimizer.variables)
+    return [(v.path, np.array(keras.ops.convert_to_numpy(v))) for v in variables]
+
+
+def assert_same(got, expected):
+    """The same variables in the same order (paths differ by Keras's unique-name suffixes), bit for bit."""
+    assert len(got) == len(expected), ([p for p, _ in got], [p for p, _ in expected])
+    for (path, a), (_, b) in zip(got, expected):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert a.tobytes() == b.tobytes(), (path, a, b)
+
+
+def trained(config):
+    model = make(config)
+    train(model, epochs=2)
+    opt = model.optimizer
+    # There is something to lose: low bits in the copies or buffers, a scale that moved.
+    assert opt.master_weights == {"O1-float16": False, "O2-float16": True, "O2-bfloat16": True,
+                                  "O2-bfloat16-kahan": "kahan"}[config]
+    if config == "O1-float16":
+        assert float(opt.loss_scale) != 2.0**15
+    return model
+
+
+def resumed_like_the_reference(reference, *restored):
+    """One more epoch on each: the same bits as the run that was never saved."""
+    train(reference)
+    for model in restored:
+        train(model)
+        assert_same(state(model), state(reference))
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_checkpoint_keras_file_weights_h5_and_export(config, tmp_path):
+    model = trained(config)
+    saved = state(model)
+    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(str(tmp_path / "ckpt"))
+    model.save(tmp_path / "model.keras")
+    model.save_weights(tmp_path / "model.weights.h5")
+    model.export(str(tmp_path / "served"), verbose=False)
+    # tf.train.Checkpoint, into a model whose optimizer is built (a custom loop)...
+    built = make(config)
+    built.optimizer.build(built.trainable_variables)
+    tf.train.Checkpoint(model=built, optimizer=built.optimizer).read(path).assert_consumed()
+    assert_same(state(built), saved)
+    # ...and into a fresh one, before its optimizer exists (restored as `fit` creates it).
+    fresh = make(config)
+    tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).read(path)
+    # .keras, without kmix's help beyond its registered classes.
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert_same(state(loaded), saved)
+    # .weights.h5 into the same model, compiled and built.
+    weights = make(config)
+    weights.optimizer.build(weights.trainable_variables)
+    weights.load_weights(tmp_path / "model.weights.h5")
+    assert_same(state(weights), saved)
+    # model.export: the SavedModel serves what the model computes (the same graph: equal to the
+    # half dtype's rounding of the output at most).
+    served = tf.saved_model.load(str(tmp_path / "served"))
+    got = np.asarray(served.serve(tf.constant(X)), np.float32)
+    expected = keras.ops.convert_to_numpy(model(X)).astype(np.float32)
+    rtol = 2.0**-10 if CONFIGS[config][1] == "float16" else 2.0**-7
+    np.testing.assert_allclose(got, expected, rtol=rtol, atol=1e-6)
+    resumed_like_the_reference(model, built, fresh, loaded, weights)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_backup_and_restore(config, tmp_path):
+    backup = str(tmp_path / "backup")
+    model = make(config)
+    train(model, epochs=2, callbacks=[keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
+    saved = state(model)
+    # A new process would build the same model and call fit again: it resumes after epoch 2.
+    resumed = make(config)
+    seen = {}
+
+    class Peek(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if not seen:
+                seen["state"] = state(self.model)
+
+    train(resumed, epochs=3, callbacks=[keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False), Peek()])
+    assert_same(seen["state"], saved)  # what the third epoch started from
+    train(model)  # the uninterrupted run's third epoch
+    assert_same(state(resumed), state(model))
