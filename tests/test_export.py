@@ -142,8 +142,15 @@ def test_subclassed_model(tmp_path):
 
     unsaveable = Unsaveable()
     unsaveable(x)
+    expected = unsaveable.predict(x, verbose=0)
+    # A SavedModel serves the model itself (placed in place for the export): no copy, so no config needed.
+    export(unsaveable, str(tmp_path / "unsaveable"), sample=x, verbose=False)
+    got = served(str(tmp_path / "unsaveable"))(x).numpy()
+    np.testing.assert_allclose(got, expected, atol=BF16_RTOL * np.abs(expected).max())
+    # A `.keras` file is a copy, written from the config.
     with pytest.raises(ValueError, match="kmix.export writes a placed copy of model"):
-        export(unsaveable, str(tmp_path / "unsaveable"), sample=x, verbose=False)
+        export(unsaveable, str(tmp_path / "unsaveable.keras"), sample=x, verbose=False)
+    assert not (tmp_path / "unsaveable.keras").exists()
 
 
 def test_keras_hub_causal_lm_and_backbone(tmp_path):

@@ -38,17 +38,20 @@ from kmix.policy import advice
 
 
 class Preserved:
-    """A context that puts `model`'s layers, variables and kmix's records back as they were on entry."""
+    """A context that puts `model`'s layers, variables and kmix's records back as they were on entry.
 
-    def __init__(self, model):
-        self.model = model
+    `variables=False` leaves the variables out (for a caller that changes none: `kmix.export`).
+    """
+
+    def __init__(self, model, variables=True):
+        self.model, self._save_variables = model, variables
         self._objects, self._variables, self._digests, self._records, self._dir = [], [], [], None, None
 
     def __enter__(self):
         self._objects = [(obj, type(obj), dict(vars(obj))) for obj in _objects(self.model)]
-        self._variables = list(self.model.variables)
-        self._records = advice.snapshot(self._variables)
-        self._dir = tempfile.mkdtemp(prefix="kmix-recommend-")
+        self._variables = list(self.model.variables) if self._save_variables else []
+        self._records = advice.snapshot(self.model.variables)
+        self._dir = tempfile.mkdtemp(prefix="kmix-preserved-")
         try:
             for i, variable in enumerate(self._variables):
                 value = np.asarray(variable.numpy())

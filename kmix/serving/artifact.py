@@ -51,6 +51,19 @@ def write(served, path, sample, model):
     archive.write_out(path, verbose=False)
 
 
+def write_function(serve, path, variables):
+    """Writes the `tf.function` `serve` (its input signature set) as a SavedModel at `path`, tracking `variables`."""
+    archive = keras.export.ExportArchive()
+    archive.add_variable_collection("weights", list(variables))
+    archive.add_endpoint("serve", serve)
+    archive.write_out(path, verbose=False)
+
+
+def as_serving_inputs(x):
+    """`x` as the `serve` endpoint takes it: floating inputs float32, the others as they are."""
+    return _as_float32_inputs(x)
+
+
 def input_signature(model, served, sample):
     """The `serve` endpoint's arguments as Keras's `model.export` gives them for `model`: a list of specs.
 
