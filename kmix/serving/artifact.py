@@ -141,6 +141,11 @@ def check_path(name, value):
             f"`{name}` must be a path (a str or os.PathLike): a directory for a SavedModel, or a file "
             f"ending in '.keras'. Received: {name}={value!r} (of type {type(value).__name__})."
         )
+    if str(value).lower().endswith((".h5", ".hdf5")):
+        raise ValueError(
+            f"`{name}` must be a directory for a SavedModel or a file ending in '.keras'; kmix.export writes "
+            f"no HDF5 file (Keras's legacy format keeps no half policies). Received: {name}={str(value)!r}."
+        )
     return str(value)
 
 
