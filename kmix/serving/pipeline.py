@@ -95,20 +95,27 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
     export (`kmix.serving.NotFiniteError`, naming the layers
     `kmix.diagnose` finds overflowing). After writing, the artifact is read
     back and compared with float32 again: the report's figures are the
-    artifact's. `model` is not changed (a placed copy is written).
+    artifact's; an artifact that fails that check is removed. A SavedModel
+    is written from `model` itself, placed in place for the export (one
+    `kmix.autocast`) and put back after, through half copies of the weights
+    it serves (the artifact's weights, 0.5x float32's for bfloat16): no
+    copy of the model. A `.keras` file is written from a placed copy (its
+    config is the file's). `model` is left as it was.
 
     Args:
         model: a built `keras.Model` (Sequential, functional, subclassed,
             keras.applications, keras-hub backbones and tasks), in float32
             or already placed by `kmix.autocast`.
         filepath: a directory for a SavedModel, a path ending in `.keras`,
-            or a list of them (one check, every artifact written).
+            or a list of them (one check, every artifact written); not
+            `.h5` / `.hdf5`.
         dtype: `"bfloat16"` (the default: float32's range) or `"float16"`.
         sample: inputs to check on, as the model takes them (arrays or
             tensors, lists / dicts of them, or a `tf.data.Dataset`); by
             default drawn from the input specs (a standard normal, token ids
             below the smallest embedding's vocabulary). A real batch checks
-            what you serve.
+            what you serve; at least one row. Integer inputs are taken in
+            the dtype the model's inputs have (int64 ids for int32 inputs).
         float32_layers: layer names, paths or classes to keep in float32
             compute, as `kmix.autocast` takes them (their matrices are still
             stored in `dtype` where the values fit).
