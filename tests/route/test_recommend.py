@@ -428,3 +428,23 @@ def test_recommend_says_what_it_needs():
     probe = device.probe((64, 16, 32), budget=0.02)
     rec = kmix.recommend(model, probe=probe, verbose=False)
     assert "pass x=, y=" in str(rec) and rec.table is None
+
+
+def test_the_reasons_name_the_float32_route_the_table_marks():
+    """#41 item 5: with a GPU (Keras's default: XLA) and float32's tf.function 2% faster, within the noise floor,
+    the reference is float32 under XLA: the reasons name it as the table marks it, and say why it is not the
+    faster row."""
+    gpu = [{"name": "A100", "compute_capability": (8, 0)}]
+    table = _table(float32_tf=[t / 1.02 for t in STEADY], float32_xla=STEADY, O1_bfloat16_tf=[2.0] * 5,
+                   O1_bfloat16_xla=[t * 1.1 for t in STEADY])
+    rec = decide_routes(table, None, gpu, CPU_PLAIN)
+    assert rec.policy == "float32" and rec.table.routes[rec.table.reference].label == "float32, XLA"
+    marked = [line for line in str(rec.table).splitlines() if "<- float32 reference" in line]
+    assert len(marked) == 1 and "XLA" in marked[0]
+    reason = next(r for r in rec.reasons if "reference route" in r)
+    assert "float32's reference route (float32, XLA" in reason and "Keras's default compilation, within 3%" in reason
+    # Where the other compilation is faster beyond the floor, it is the reference, and the reasons say by how much.
+    table = _table(float32_tf=[t / 1.2 for t in STEADY], float32_xla=STEADY, O1_bfloat16_tf=[2.0] * 5)
+    rec = decide_routes(table, None, gpu, CPU_PLAIN)
+    assert rec.table.routes[rec.table.reference].label == "float32, tf.function"
+    assert "float32's reference route (float32, tf.function" in str(rec) and "1.20x the other compilation" in str(rec)
