@@ -179,6 +179,7 @@ def run(models, calls=None, batch_size=4, seq=128, budget_s=30.0, fresh=True, ve
             say(f"bench scale: {name}: {call}")
             spec = dict(call=call, name=name, batch_size=batch_size, seq=seq, budget_s=budget_s)
             results.append(_in_subprocess(spec) if fresh else measure(**spec))
+            say("bench scale: " + "  ".join(str(v) for v in rows(results[-1:])[0]))  # each row as it comes
     return results
 
 

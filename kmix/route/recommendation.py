@@ -274,9 +274,11 @@ def decide_routes(table, probe, gpus, cpu, onednn=None, tie="median"):
                        f"beyond the noise: {kept}. A longer budget_s, or a quieter machine, may settle it.")
     reasons.append(_compilation_line(choice.route, times, lambda c: f"{ms(c)} a step", bool(gpus)))
     if table.over_budget:
+        first = max(table.routes, key=lambda r: r.setup_s)
         reasons.append(f"budget_s={table.budget_s:g} could not cover building and compiling "
-                       f"{'; '.join(label for label, _ in table.over_budget)}: recommended from the "
-                       f"{len(table.routes)} route(s) measured. A larger budget_s times them too.")
+                       f"{'; '.join(label for label, _ in table.over_budget)} (building and compiling "
+                       f"{first.label} took {first.setup_s:.1f} s): recommended from the {len(table.routes)} "
+                       "route(s) measured. A larger budget_s times them too.")
     return _recommendation(dtype, jit, reasons, probe, table)
 
 

@@ -283,7 +283,9 @@ def time_routes(model, batch, loss, optimizer, routes, budget_s, verbose=True, d
             open_ = rule.unsettled({key[route]: seconds for route, seconds in rounds.items()}, default_jit)
             return [route for route in built if key[route] in open_]
 
-        rounds = timing.run_rounds(built, steps, left, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS, more=more)
+        alone = len(built) == 1  # nothing to compare it with: one round shows its step
+        rounds = timing.run_rounds(built, steps, 0.0 if alone else left, min_rounds=1 if alone else MIN_ROUNDS,
+                                   max_rounds=MAX_ROUNDS, more=more)
         built.clear()
     gc.collect()
     timings = tuple(RouteTiming(policy, bool(jit), tuple(rounds[(policy, jit)]), setup[(policy, jit)],

@@ -269,7 +269,8 @@ def test_recommend_on_a_model_times_its_routes_and_leaves_the_model_as_it_was(ca
     chosen = table.routes[table.chosen]
     assert (chosen.policy, chosen.jit_compile) == (rec.policy, rec.jit_compile)
     assert table.routes[table.reference].policy == "float32"
-    assert min(len(r.seconds) for r in table.routes) >= trials.MIN_ROUNDS
+    # Routes compared get the documented minimum of rounds; a route alone (the budget built no other) one.
+    assert min(len(r.seconds) for r in table.routes) >= (trials.MIN_ROUNDS if len(table.routes) > 1 else 1)
     assert all(s > 0 for r in table.routes for s in r.seconds) and table.batch == "a batch of 16 rows"
     # The decision is the pure one, on the table shown.
     again = decide_routes(dataclasses.replace(table, chosen=None), None, device.gpus(), device.cpu_features(),
@@ -298,6 +299,7 @@ def test_a_budget_too_short_for_a_second_route_recommends_from_the_first_and_say
         ("O1-bfloat16", False), ("O1-bfloat16", True), ("float32", True)]
     text = str(rec)
     assert "budget_s=0.001 could not cover building and compiling" in text and "not built: budget_s=0.001" in text
+    assert "(building and compiling float32, tf.function took " in text and len(rec.table.routes[0].seconds) == 1
 
 
 def _bn_model():
