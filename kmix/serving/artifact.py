@@ -51,11 +51,11 @@ def write(served, path, sample, model):
     archive.write_out(path, verbose=False)
 
 
-def write_function(serve, path, variables):
-    """Writes the `tf.function` `serve` (its input signature set) as a SavedModel at `path`, tracking `variables`."""
+def write_function(serve, signature, path, variables):
+    """Writes `serve` (a function of `signature`) as a SavedModel's `serve` endpoint at `path`, tracking `variables`."""
     archive = keras.export.ExportArchive()
     archive.add_variable_collection("weights", list(variables))
-    archive.add_endpoint("serve", serve)
+    archive.add_endpoint("serve", serve, input_signature=signature)
     archive.write_out(path, verbose=False)
 
 

@@ -14,7 +14,7 @@ variables are served from the model's own variables. The half variables
 are the artifact's weights: 0.5x the float32 bytes they replace.
 
     >>> weights = HalfWeights(model, "bfloat16")      # model placed in place first
-    >>> fn = weights.function(signature)               # a tf.function: float32 in, float32 out
+    >>> out = weights.call(x)                          # float32 in, float32 out
 """
 
 import keras
@@ -62,10 +62,6 @@ class HalfWeights:
         with keras.StatelessScope(state_mapping=mapping):
             out = self.model(x, training=False)
         return keras.tree.map_structure(lambda t: tf.cast(t, tf.float32) if t.dtype.is_floating else t, out)
-
-    def function(self, signature):
-        """`call` as a `tf.function` of `signature` (a list of `tf.TensorSpec` structures)."""
-        return tf.function(lambda *args: self.call(*args), input_signature=signature, autograph=False)
 
     def variables(self):
         """The half variables (the artifact stores them)."""

@@ -163,9 +163,11 @@ def _export_in_place(model, paths, half, x, origin, float32_layers, say):
         say(f"kmix.export: placing {model.name!r} ({half}, in place for the export)")
         _autocast(model, Policy("O1", half=half), float32_layers)
         weights = half_weights.HalfWeights(model, half)
-        serve = weights.function(artifact.input_signature(model, model, x))
+        signature = artifact.input_signature(model, model, x)
         say("kmix.export: checking it against float32 on the sample")
-        before = _check_finite(expected, serve(artifact.as_serving_inputs(x)), model, x, half, float32_layers, kept)
+        # Eagerly: a trace now would be saved beside the one `tf.saved_model.save` makes (the graph twice).
+        before = _check_finite(expected, weights.call(artifact.as_serving_inputs(x)), model, x, half,
+                               float32_layers, kept)
         weight_bytes, float32_bytes = weights.bytes()
         float32_layers_now = [p for p, layer, _ in walk(model) if layer.compute_dtype == "float32" and layer.weights]
         stored, kept_float32 = weights.stored_in_half, weights.kept_float32
@@ -175,11 +177,11 @@ def _export_in_place(model, paths, half, x, origin, float32_layers, say):
             say(f"kmix.export: writing {path}")
 
             def write(to):
-                artifact.write_function(serve, to, weights.variables())
+                artifact.write_function(weights.call, signature, to, weights.variables())
 
             def release():  # the half weights, before the artifact's own are read back
-                nonlocal serve, weights
-                serve = weights = None
+                nonlocal weights
+                weights = None
                 gc.collect()
 
             result, seconds[path] = _write_checked(path, write, lambda to: artifact.load(to, None), x, expected,
