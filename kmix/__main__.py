@@ -13,6 +13,7 @@ BENCHES = {
     "predict": "kmix.benchmarks.predict",
     "profile": "kmix.benchmarks.profile",
     "recommend": "kmix.benchmarks.recommend",
+    "scale": "kmix.benchmarks.scale",
     "softmax": "kmix.benchmarks.softmax",
     "train": "kmix.benchmarks.train",
 }

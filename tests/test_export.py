@@ -142,8 +142,15 @@ def test_subclassed_model(tmp_path):
 
     unsaveable = Unsaveable()
     unsaveable(x)
+    expected = unsaveable.predict(x, verbose=0)
+    # A SavedModel serves the model itself (placed in place for the export): no copy, so no config needed.
+    export(unsaveable, str(tmp_path / "unsaveable"), sample=x, verbose=False)
+    got = served(str(tmp_path / "unsaveable"))(x).numpy()
+    np.testing.assert_allclose(got, expected, atol=BF16_RTOL * np.abs(expected).max())
+    # A `.keras` file is a copy, written from the config.
     with pytest.raises(ValueError, match="kmix.export writes a placed copy of model"):
-        export(unsaveable, str(tmp_path / "unsaveable"), sample=x, verbose=False)
+        export(unsaveable, str(tmp_path / "unsaveable.keras"), sample=x, verbose=False)
+    assert not (tmp_path / "unsaveable.keras").exists()
 
 
 def test_keras_hub_causal_lm_and_backbone(tmp_path):
@@ -277,3 +284,85 @@ def test_bad_input_names_the_argument(tmp_path):
     with pytest.raises(TypeError, match=r"`sample` must be a batch of inputs.*Received: sample of type str"):
         export(model, path, sample="x", verbose=False)
     assert not os.path.exists(path)
+
+
+def test_bad_arguments_are_refused_at_the_call_and_nothing_is_written(tmp_path):
+    model = mlp()
+    x = inputs((8, 32))
+    for name in ("model.h5", "model.hdf5"):
+        with pytest.raises(ValueError, match=r"`filepath` must be a directory for a SavedModel or a file ending in "
+                                             r"'.keras'.*Received: filepath="):
+            export(model, str(tmp_path / name), sample=x, verbose=False)
+    with pytest.raises(ValueError, match=r"`sample` must hold at least one row.*Received: sample with shapes \(0, 32\)"):
+        export(model, str(tmp_path / "empty"), sample=x[:0], verbose=False)
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_an_int64_sample_of_token_ids_is_taken_as_the_models_int32(tmp_path):
+    ids = keras.Input((6,), dtype="int32", name="ids")
+    h = keras.layers.Embedding(50, 16)(ids)
+    model = keras.Model(ids, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h)))
+    x = np.random.default_rng(0).integers(0, 50, (8, 6)).astype("int64")
+    expected = model.predict(x.astype("int32"), verbose=0)
+    export(model, str(tmp_path / "ids"), sample=x, verbose=False)
+    got = served(str(tmp_path / "ids"))(x.astype("int32")).numpy()
+    np.testing.assert_allclose(got, expected, atol=BF16_RTOL * np.abs(expected).max())
+    with pytest.raises(ValueError, match=r"`sample` must hold int32 values .*Received: sample of dtype int64"):
+        export(model, str(tmp_path / "big"), sample=x + 2**40, verbose=False)
+    with pytest.raises(ValueError, match=r"`sample` must hold int32 values .*Received: sample of dtype float32"):
+        export(model, str(tmp_path / "floats"), sample=x.astype("float32"), verbose=False)
+    assert sorted(os.listdir(tmp_path)) == ["ids"]
+
+
+def test_a_failed_read_back_leaves_nothing_behind(tmp_path, monkeypatch):
+    from kmix.serving import artifact as artifact_module
+
+    model = mlp()
+    x = inputs((8, 32))
+    load = artifact_module.load
+
+    def wrong(path, served_model):
+        predict, seconds = load(path, served_model)
+        return (lambda inputs_: predict(inputs_) * 0 + 1.0), seconds
+
+    monkeypatch.setattr(artifact_module, "load", wrong)
+    for name in ("half", "half.keras"):
+        with pytest.raises(ValueError, match="read back it is .* and was removed"):
+            export(model, str(tmp_path / name), sample=x, verbose=False)
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_export_makes_no_float32_copy_of_the_weights(tmp_path):
+    """Counted, not timed: the variables made during export are half (the artifact's weights, made once and
+    read back once), never a float32 copy of a weight matrix."""
+    from kmix.serving import pipeline
+
+    model = mlp(width=256)
+    x = inputs((8, 32))
+    created, in_autocast = [], []
+    autocast = pipeline.autocast
+
+    def counting_autocast(*args, **kwargs):  # autocast's own cost is its own test's (issue 38 item 1)
+        in_autocast.append(True)
+        try:
+            return autocast(*args, **kwargs)
+        finally:
+            in_autocast.pop()
+
+    def creator(next_creator, **kwargs):
+        variable = next_creator(**kwargs)
+        if not in_autocast:
+            created.append((variable.dtype.name, int(np.prod(variable.shape))))
+        return variable
+
+    pipeline.autocast = counting_autocast
+    try:
+        with tf.variable_creator_scope(creator):
+            export(model, str(tmp_path / "half"), sample=x, verbose=False)
+    finally:
+        pipeline.autocast = autocast
+    weights = sum(int(np.prod(v.shape)) for v in model.weights)
+    float32 = sum(n for dtype, n in created if dtype == "float32")
+    half = sum(n for dtype, n in created if dtype == "bfloat16")
+    assert float32 <= 4 * 256, created  # the norm's vectors, read back: no matrix
+    assert half <= 2 * weights, (half, weights)  # the artifact's half weights, and them read back

@@ -80,3 +80,21 @@ def _get(table, variable):
     if entry is None or entry[0]() is not variable:
         return None
     return entry[1]
+
+
+def snapshot(variables):
+    """What is recorded for `variables` (and per policy), for `restore` to put back."""
+    keys = {id(v) for v in variables}
+    return ({k: e for k, e in _COMPUTE.items() if k in keys}, {k: e for k, e in _SCALE.items() if k in keys},
+            keys, dict(_LEVEL_SCALE))
+
+
+def restore(saved):
+    """Puts back the records `snapshot` took: `kmix.recommend` places the user's model only for a while."""
+    compute, scale, keys, level = saved
+    for table, entries in ((_COMPUTE, compute), (_SCALE, scale)):
+        for key in keys:
+            table.pop(key, None)
+        table.update(entries)
+    _LEVEL_SCALE.clear()
+    _LEVEL_SCALE.update(level)

@@ -15,9 +15,10 @@ softmax and the model's outputs in float32), spelled as
 """
 
 import dataclasses
+import time
 
 from kmix._output import progress
-from kmix.route import facts, timing, trials
+from kmix.route import data, facts, timing, trials
 from kmix.route.probe import DTYPES
 from kmix.route.probe import probe as measure_probe
 from kmix.route.rule import FLOAT16_MARGIN, MIN_SPEEDUP, choose
@@ -64,19 +65,19 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
               dtypes=None, budget_s=30.0, probe=None, verbose=True):
     """Measures the fastest safe policy and `jit_compile`: on your model's training step, or on this device.
 
-    With a model and data it builds each candidate route as the README
-    does (`kmix.autocast` of a copy of the model, compiled in
-    `kmix.policy_scope(policy)` with `kmix.wrap` and `jit_compile`), times
-    `train_on_batch` on one batch in interleaved rounds, and returns the
-    fastest route by the rule of `kmix.route.rule`: a half route wins when
-    it is faster than float32 beyond the measured noise, or, where the
-    rounds cannot separate them, when it is more than 3% faster in the
-    median (the reasons then say so).
-    The candidates are float32 and each half dtype the device's probe ran
-    at least 0.85x as fast as float32 (float16 only where it beat
-    bfloat16), each as a `tf.function` and under XLA. `model` is not
-    changed: copies are timed, one per route (each with its optimizer
-    state) held in memory while the rounds run.
+    With a model and data it times the model's own training step on each
+    candidate route, as the README builds it (`kmix.autocast`, compiled in
+    `kmix.policy_scope(policy)` with `kmix.wrap` and `jit_compile`), in
+    interleaved rounds of `train_on_batch` on one batch, and returns the
+    fastest by the rule of `kmix.route.rule`: a half route wins when it is
+    faster than float32 beyond the measured noise, or, where the rounds
+    cannot separate them, by more than 3% in the median (the reasons say so).
+    The candidates are float32 and each half dtype the device's probe ran at
+    least 0.85x as fast as float32, each as a `tf.function` and under XLA.
+    Every route runs on the model's own variables with one optimizer state
+    (`kmix.route.inplace`): no copy of the weights; `model` is left exactly
+    as it was (layers, policies, weights bit for bit, its optimizer and
+    compiled functions).
 
     Args:
         model: a built Keras model; compiled with its loss (and optimizer),
@@ -90,12 +91,13 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
             settings are copied for every route; `"adam"` if none).
         dtypes: the dtypes to time, e.g. `("float32", "bfloat16")`,
             instead of the probe's choice.
-        budget_s: seconds for the trials. Building and compiling each
-            route come first and are not cut short; then every route gets
-            at least 5 interleaved rounds (`kmix.route.trials.MIN_ROUNDS`),
-            past the budget if need be, and the routes whose comparisons
-            those rounds leave unsettled get more while the budget lasts
-            (at most 30 rounds).
+        budget_s: seconds for the whole call, probing, building and
+            compiling included (a positive number). A route is built only
+            where its build and 5 rounds of every route
+            (`kmix.route.trials.MIN_ROUNDS`) fit in what is left; the
+            reasons name the routes the budget could not cover, and the
+            recommendation comes from those measured. The routes whose
+            comparisons stay unsettled get more rounds while it lasts.
         probe: a `kmix.device.Probe` to use instead of measuring one.
         verbose: progress lines on stderr while it measures.
 
@@ -111,6 +113,8 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
     >>> with kmix.policy_scope(rec.policy):
     ...     fast.compile(optimizer=kmix.wrap("adamw"), loss="mse", jit_compile=rec.jit_compile)
     """
+    start = time.perf_counter()
+    budget_s = _check_budget(budget_s)
     has_data = x is not None or y is not None or sample is not None
     if model is None or not has_data:
         if probe is None:
@@ -125,6 +129,8 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
         return rec
     loss, optimizer = trials.training_setup(model, loss, optimizer)
     batch = trials.first_batch(x, y, sample, batch_size)
+    data.check_fits(model, batch[0], "sample" if sample is not None else "x")
+    notes = data.nonfinite_notes(batch, "sample" if sample is not None else None)
     if dtypes is None:
         if probe is None:
             if verbose:
@@ -135,10 +141,20 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
         dtypes, skipped = trials.check_dtypes(dtypes), ()
     routes = [(_policy(d), jit) for d in dtypes for jit in (False, True)]
     gpus = facts.gpus()
-    table = trials.time_routes(model, batch, loss, optimizer, routes, float(budget_s), verbose,
-                               default_jit=bool(gpus))
+    table = trials.time_routes(model, batch, loss, optimizer, routes, budget_s, verbose,
+                               default_jit=bool(gpus), start=start)
     table = dataclasses.replace(table, skipped=tuple(skipped))
-    return decide_routes(table, probe, gpus, facts.cpu_features(), facts.onednn_enabled())
+    rec = decide_routes(table, probe, gpus, facts.cpu_features(), facts.onednn_enabled())
+    return dataclasses.replace(rec, reasons=rec.reasons + tuple(notes)) if notes else rec
+
+
+def _check_budget(budget_s):
+    """`budget_s` as a float, or a ValueError naming it."""
+    ok = isinstance(budget_s, (int, float)) and not isinstance(budget_s, bool) and 0 < budget_s < float("inf")
+    if not ok:
+        raise ValueError("`budget_s` must be a positive number of seconds (e.g. 30). "
+                         f"Received: budget_s={budget_s!r}")
+    return float(budget_s)
 
 
 def _policy(dtype):
@@ -236,7 +252,7 @@ def decide_routes(table, probe, gpus, cpu, onednn=None, tie="median"):
     if dtype == "float32":
         halves = [f"{_policy(h)}, {_compiled(g.route[1])} {g.ratio:.2f}x ({_interval(g)})"
                   for h, g in choice.gains.items()]
-        reasons.append(f"No half route beats float32 ({ref.label}: {ms(choice.reference)} a step) beyond "
+        reasons.append(f"No half route beats float32's reference route ({_reference(ref, times)}) beyond "
                        f"the measured noise and by more than {floor} "
                        f"({'; '.join(halves) or 'none timed'}): float32.")
     else:
@@ -248,8 +264,8 @@ def decide_routes(table, probe, gpus, cpu, onednn=None, tie="median"):
         else:
             why = (f"faster in the median by more than {floor}, though the rounds could not separate "
                    f"them beyond the noise ({_interval(g)}): the tie rule picks the faster median")
-        reasons.append(f"{_policy(dtype)} runs {g.ratio:.2f}x float32's best route ({ref.label}, "
-                       f"{ms(choice.reference)} a step), {why}: {scaling}.")
+        reasons.append(f"{_policy(dtype)} runs {g.ratio:.2f}x float32's reference route "
+                       f"({_reference(ref, times)}), {why}: {scaling}.")
     undecided = [h for h, g in choice.gains.items() if not g.settled]
     if undecided and dtype == "float32":
         kept = ("the tie rule (tie='float32') keeps float32" if choice.tie else
@@ -257,7 +273,26 @@ def decide_routes(table, probe, gpus, cpu, onednn=None, tie="median"):
         reasons.append(f"The rounds could not separate {', '.join(_policy(h) for h in undecided)} from float32 "
                        f"beyond the noise: {kept}. A longer budget_s, or a quieter machine, may settle it.")
     reasons.append(_compilation_line(choice.route, times, lambda c: f"{ms(c)} a step", bool(gpus)))
+    if table.over_budget:
+        first = max(table.routes, key=lambda r: r.setup_s)
+        reasons.append(f"budget_s={table.budget_s:g} could not cover building and compiling "
+                       f"{'; '.join(label for label, _ in table.over_budget)} (building and compiling "
+                       f"{first.label} took {first.setup_s:.1f} s): recommended from the {len(table.routes)} "
+                       "route(s) measured. A larger budget_s times them too.")
     return _recommendation(dtype, jit, reasons, probe, table)
+
+
+def _reference(route, times):
+    """The float32 reference route as the table marks it, and why it is the one every ratio divides."""
+    step = f"{timing.median(times[(route.dtype, route.jit_compile)]) * 1e3:.2f} ms a step"
+    other = (route.dtype, not route.jit_compile)
+    if other not in times:
+        return f"{route.label}, {step}, the only float32 route timed"
+    ratio = timing.paired(times[other], times[(route.dtype, route.jit_compile)])[0]
+    if ratio > 1 + timing.NOISE_FLOOR:
+        return f"{route.label}, {step}, {ratio:.2f}x the other compilation round by round"
+    return (f"{route.label}, {step}: Keras's default compilation, within {timing.NOISE_FLOOR:.0%} of "
+            f"{_compiled(not route.jit_compile)} round by round ({ratio:.2f}x)")
 
 
 def _interval(gain):

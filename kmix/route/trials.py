@@ -1,20 +1,23 @@
 """Trials of the user's own training step on each candidate route, for `kmix.recommend(model, ...)`.
 
 A route is a policy (`"float32"`, `"O1-bfloat16"`, `"O1-float16"`) and a
-`jit_compile`. Each is built as the README builds it, on a placed copy of
-the user's model (the model itself is never changed; see `placed_copy`):
+`jit_compile`. Each is built as the README builds it, on the user's model
+itself and its own variables (`kmix.route.inplace`: nothing copied, the
+model put back as it was afterwards):
 
-    copy = kmix.autocast(<a clone of model, with its weights>, policy)
+    kmix.autocast(model, policy)                  # in place, for as long as the trace takes
     with policy_scope(policy):
-        copy.compile(optimizer=kmix.wrap(<a fresh copy of the user's optimizer>),
-                     loss=<the user's loss>, jit_compile=jit_compile)
+        shared.compile(optimizer=kmix.wrap(inner), loss=<the user's loss>, jit_compile=jit_compile)
 
-then warmed up (two steps: the trace or XLA compile, and one more) and
-timed with `copy.train_on_batch(x, y)` on one batch of the user's data, in
+where `shared` is a model calling `model` and `inner` one optimizer for all
+routes (the user's settings, learning rate 0). Each route is warmed up (two
+steps: the trace or XLA compile, and one more) and timed with
+`shared.train_on_batch(x, y)` on one batch of the user's data, in
 interleaved rounds (`kmix.route.timing.run_rounds`): `MIN_ROUNDS` of every
-route, spent or not, then more rounds of the routes whose comparisons are
-still unsettled (`kmix.route.rule.unsettled`) while the budget lasts, up to
-`MAX_ROUNDS`.
+route, then more rounds of the routes whose comparisons are still
+unsettled (`kmix.route.rule.unsettled`) while the budget lasts, up to
+`MAX_ROUNDS`. The budget counts building and compiling: a route whose
+build would overrun it is not built, and the table says so.
 """
 
 import contextlib
@@ -28,7 +31,7 @@ from kmix._output import format_table, progress
 from kmix.optimizers import wrap
 from kmix.placing import autocast
 from kmix.policy import policy_scope
-from kmix.route import rule, timing
+from kmix.route import inplace, rule, timing
 from kmix.route.probe import DTYPES
 
 TARGET_ROUNDS = 10  # the budget is spread so that about this many rounds fit in it
@@ -69,6 +72,9 @@ class RouteTable:
         chosen: the index in `routes` of the route recommended (None before the decision).
         reference: the index of the fastest float32 route, the ratios' baseline.
         seconds: how long the trials took, building and compiling included.
+        over_budget: `(route label, why)` for the routes not built: `budget_s`
+            could not cover their build and compile.
+        budget_s: the budget the trials kept to (None: not given).
     """
 
     routes: tuple
@@ -77,6 +83,8 @@ class RouteTable:
     chosen: int = None
     reference: int = None
     seconds: float = 0.0
+    over_budget: tuple = ()
+    budget_s: float = None
 
     def times(self):
         """`{(dtype, jit_compile): seconds per round}`, what the decision compares."""
@@ -89,14 +97,24 @@ class RouteTable:
             ratio = timing.paired(base, r.seconds)[0] if base is not None else "n/a"
             rows.append([r.policy, "XLA" if r.jit_compile else "tf.function", timing.median(r.seconds) * 1e3,
                          min(r.seconds) * 1e3, f"{timing.spread(r.seconds):.1%}", ratio, len(r.seconds),
-                         r.setup_s, "<- recommended" if i == self.chosen else ""])
+                         r.setup_s, _marks(i, self.chosen, self.reference)])
         headers = ["policy", "compiled", "ms/step", "fastest", "spread", "x float32", "rounds", "setup s", ""]
+        budget = "" if self.budget_s is None else f" of budget_s={self.budget_s:g}"
         lines = [f"Training step of your model on {self.batch}: median of interleaved rounds "
-                 f"({self.seconds:.0f} s in all)", format_table(headers, rows)]
-        lines.append("x float32: the fastest float32 route's step over this route's, round by round (median); "
+                 f"({self.seconds:.0f} s in all{budget}, building and compiling included)",
+                 format_table(headers, rows)]
+        lines.append("x float32: the float32 reference route's step over this route's, round by round (median); "
                      "spread: interquartile range over the median.")
         lines += [f"{dtype}: not timed: {reason}" for dtype, reason in self.skipped]
+        lines += [f"{label}: not built: {reason}" for label, reason in self.over_budget]
         return "\n".join(lines)
+
+
+def _marks(i, chosen, reference):
+    marks = ["<- recommended"] if i == chosen else []
+    if i == reference:
+        marks.append("<- float32 reference")
+    return ", ".join(marks)
 
 
 def candidates(probe):
@@ -182,94 +200,128 @@ def training_setup(model, loss, optimizer):
     return loss, optimizer if optimizer is not None else "adam"
 
 
-def fresh_optimizer(optimizer):
-    """A new optimizer with `optimizer`'s settings (the inner one of a loss-scale optimizer)."""
+def fresh_optimizer(optimizer, learning_rate=None):
+    """A new optimizer with `optimizer`'s settings (the inner one of a loss-scale optimizer).
+
+    `learning_rate`, when given, replaces the configured one (a schedule included).
+    """
     import keras
 
     if isinstance(optimizer, (str, dict)):
-        return keras.optimizers.get(optimizer)
+        optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
-    return optimizer.__class__.from_config(optimizer.get_config())
+    config = optimizer.get_config()
+    if learning_rate is not None:
+        config["learning_rate"] = learning_rate
+    return optimizer.__class__.from_config(config)
 
 
-def placed_copy(model, policy):
-    """A copy of `model` with its weights, placed by `kmix.autocast` under `policy`; `model` untouched.
+def time_routes(model, batch, loss, optimizer, routes, budget_s, verbose=True, default_jit=False, start=None):
+    """Builds, warms up and times every route that fits the budget; returns a `RouteTable` (no decision yet).
 
-    The copy is `keras.models.clone_model` (layer by layer from each layer's
-    class, so unregistered custom layers copy too) with the weights set, then
-    placed by autocast. Where cloning fails (a subclassed model without a
-    usable `get_config`), `kmix.autocast(model, policy, copy=True)` (a copy
-    through `model.save` / `load_model`) is tried, and its error raised.
-    """
-    import keras
-
-    try:
-        clone = keras.models.clone_model(model, recursive=True)
-        clone.set_weights(model.get_weights())
-    except (TypeError, ValueError, NotImplementedError):
-        try:
-            return autocast(model, policy, copy=True)
-        except TypeError as e:
-            if "copy" not in str(e):
-                raise
-            return autocast(model, policy)  # an autocast without `copy=` returns a copy
-    return autocast(clone, policy)
-
-
-def time_routes(model, batch, loss, optimizer, routes, budget_s, verbose=True, default_jit=False):
-    """Builds, warms up and times every route; returns a `RouteTable` (no decision yet).
+    Every route runs on `model`'s own variables (`kmix.route.inplace`): the
+    model is placed in place for a route, the route's step traced, the model
+    put back; one optimizer (the user's settings, learning rate 0, so that
+    the weights do not move) serves every route. On exit the model is as it
+    was: layers, policies, weights bit for bit, compiled functions.
 
     Args:
-        model: the user's model (not changed).
+        model: the user's model (left as it was).
         batch: `(x, y, description)` from `first_batch`.
         loss, optimizer: from `training_setup`.
-        routes: `(policy, jit_compile)` pairs.
-        budget_s: seconds for the whole trial; building and compiling come
-            first and are not cut short, the rounds share what is left
-            (`MIN_ROUNDS` of every route even when nothing is left).
+        routes: `(policy, jit_compile)` pairs, in the order the table shows them.
+        budget_s: seconds for the whole call, building and compiling
+            included, counted from `start`. A route is built only when its
+            build (estimated from the routes built so far) and `MIN_ROUNDS`
+            rounds of every route fit in what is left; the first route
+            (float32, Keras's default compilation) always is. The rounds
+            share what is left.
         verbose: progress lines on stderr.
-        default_jit: Keras's default compilation here (True with a GPU), which
-            the decision keeps within the noise floor: the comparisons left
-            unsettled, and so the routes timed further, depend on it.
+        default_jit: Keras's default compilation here (True with a GPU): its
+            routes are built first, and the decision keeps it within the
+            noise floor (the comparisons left unsettled depend on it).
+        start: `time.perf_counter()` when the call began (now by default).
     """
     say = progress if verbose else (lambda message: None)
     x, y, described = batch
-    start = time.perf_counter()
-    built, setup, first = {}, {}, {}
-    with _quiet_retracing(), warnings.catch_warnings():
+    start = time.perf_counter() if start is None else start
+    deadline = start + budget_s
+    inner = fresh_optimizer(optimizer, learning_rate=0.0)
+    built, setup, first, over = {}, {}, {}, []
+    order = sorted(routes, key=lambda r: (r[1] != default_jit, r[0] != "float32"))
+    with inplace.Preserved(model) as kept, _quiet_retracing(), warnings.catch_warnings():
         warnings.filterwarnings("once", category=UserWarning)  # autocast's, about the model: once, not per route
-        for n, (policy, jit) in enumerate(routes, 1):
-            say(f"kmix.recommend: [{n}/{len(routes)}] building and compiling {policy}, "
-                f"{'XLA' if jit else 'tf.function'}")
+        for n, route in enumerate(order, 1):
+            policy, jit = route
+            label = _label(route)
+            why = _over_budget(route, setup, first, deadline, budget_s) if built else None
+            if why:
+                over.append((label, why))
+                say(f"kmix.recommend: [{n}/{len(order)}] {label}: not built, {why}")
+                continue
+            say(f"kmix.recommend: [{n}/{len(order)}] building and compiling {label}")
             begin = time.perf_counter()
-            copy = placed_copy(model, policy)
-            with policy_scope(policy):
-                copy.compile(optimizer=wrap(fresh_optimizer(optimizer)), loss=loss, jit_compile=jit)
-            step = _step(copy, x, y)
-            step()  # traces (or compiles) and builds the optimizer
-            step()
-            setup[(policy, jit)] = time.perf_counter() - begin
+            try:
+                step = _route_step(model, policy, jit, inner, loss, x, y)
+                step()  # traces (or compiles) and builds the optimizer
+                step()
+            finally:
+                kept.restore_layers()  # the traced step keeps the route's placement
+            setup[route] = time.perf_counter() - begin
             begin = time.perf_counter()
             step()
-            first[(policy, jit)] = time.perf_counter() - begin
-            built[(policy, jit)] = step
-        left = max(budget_s - (time.perf_counter() - start), 0.0)
-        per_round = left / TARGET_ROUNDS / len(routes)
-        steps = {route: max(1, int(per_round / max(first[route], 1e-6))) for route in routes}
-        say(f"kmix.recommend: timing {len(routes)} routes in interleaved rounds ({left:.0f} s left of budget_s)")
-        key = {route: (route[0].rsplit("-", 1)[-1], route[1]) for route in routes}  # (dtype, jit)
+            first[route] = time.perf_counter() - begin
+            built[route] = step
+        left = max(deadline - time.perf_counter(), 0.0)
+        per_round = left / TARGET_ROUNDS / len(built)
+        steps = {route: max(1, int(per_round / max(first[route], 1e-6))) for route in built}
+        say(f"kmix.recommend: timing {len(built)} routes in interleaved rounds ({left:.0f} s left of budget_s)")
+        key = {route: (route[0].rsplit("-", 1)[-1], route[1]) for route in built}  # (dtype, jit)
 
         def more(rounds):
             open_ = rule.unsettled({key[route]: seconds for route, seconds in rounds.items()}, default_jit)
-            return [route for route in routes if key[route] in open_]
+            return [route for route in built if key[route] in open_]
 
-        rounds = timing.run_rounds(built, steps, left, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS, more=more)
-    timings = tuple(RouteTiming(policy, bool(jit), tuple(rounds[(policy, jit)]), setup[(policy, jit)],
-                                steps[(policy, jit)]) for policy, jit in routes)
-    built.clear()
+        alone = len(built) == 1  # nothing to compare it with: one round shows its step
+        rounds = timing.run_rounds(built, steps, 0.0 if alone else left, min_rounds=1 if alone else MIN_ROUNDS,
+                                   max_rounds=MAX_ROUNDS, more=more)
+        built.clear()
     gc.collect()
-    return RouteTable(timings, batch=described, seconds=time.perf_counter() - start)
+    timings = tuple(RouteTiming(policy, bool(jit), tuple(rounds[(policy, jit)]), setup[(policy, jit)],
+                                steps[(policy, jit)]) for policy, jit in routes if (policy, jit) in rounds)
+    return RouteTable(timings, batch=described, seconds=time.perf_counter() - start, over_budget=tuple(over),
+                      budget_s=budget_s)
+
+
+def _label(route):
+    return f"{route[0]}, {'XLA' if route[1] else 'tf.function'}"
+
+
+def _over_budget(route, setup, first, deadline, budget_s):
+    """Why `route` is not built within the budget, or None when its build and the rounds fit.
+
+    Its build is estimated as the longest build so far of the same
+    compilation (else of any), its step as the slowest step so far.
+    """
+    same = [s for r, s in setup.items() if r[1] == route[1]]
+    build = max(same or setup.values())
+    rounds = MIN_ROUNDS * (sum(first.values()) + max(first.values()))
+    left = deadline - time.perf_counter()
+    if build + rounds <= left:
+        return None
+    return (f"budget_s={budget_s:g} cannot cover its build and compile (about {build:.1f} s, as the routes "
+            f"built so far took) and {MIN_ROUNDS} rounds of every route ({rounds:.1f} s): {max(left, 0):.1f} s "
+            "left")
+
+
+def _route_step(model, policy, jit, inner, loss, x, y):
+    """`model` placed under `policy` (in place) and a step of a model sharing its variables, compiled."""
+    shared = inplace.shared_model(model)
+    autocast(model, policy)
+    with policy_scope(policy):
+        shared.compile(optimizer=wrap(inner), loss=loss, jit_compile=jit)
+    return _step(shared, x, y)
 
 
 def _step(model, x, y):

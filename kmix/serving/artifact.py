@@ -51,6 +51,19 @@ def write(served, path, sample, model):
     archive.write_out(path, verbose=False)
 
 
+def write_function(serve, signature, path, variables):
+    """Writes `serve` (a function of `signature`) as a SavedModel's `serve` endpoint at `path`, tracking `variables`."""
+    archive = keras.export.ExportArchive()
+    archive.add_variable_collection("weights", list(variables))
+    archive.add_endpoint("serve", serve, input_signature=signature)
+    archive.write_out(path, verbose=False)
+
+
+def as_serving_inputs(x):
+    """`x` as the `serve` endpoint takes it: floating inputs float32, the others as they are."""
+    return _as_float32_inputs(x)
+
+
 def input_signature(model, served, sample):
     """The `serve` endpoint's arguments as Keras's `model.export` gives them for `model`: a list of specs.
 
@@ -127,6 +140,11 @@ def check_path(name, value):
         raise TypeError(
             f"`{name}` must be a path (a str or os.PathLike): a directory for a SavedModel, or a file "
             f"ending in '.keras'. Received: {name}={value!r} (of type {type(value).__name__})."
+        )
+    if str(value).lower().endswith((".h5", ".hdf5")):
+        raise ValueError(
+            f"`{name}` must be a directory for a SavedModel or a file ending in '.keras'; kmix.export writes "
+            f"no HDF5 file (Keras's legacy format keeps no half policies). Received: {name}={str(value)!r}."
         )
     return str(value)
 

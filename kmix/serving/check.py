@@ -95,7 +95,43 @@ def sample_inputs(model, sample):
             f"sample of type {type(sample).__name__}."
         )
     shapes = keras.tree.map_structure(lambda t: tuple(np.shape(t)), sample)
-    return sample, f"given: {shapes}"
+    if any(len(np.shape(t)) == 0 or np.shape(t)[0] == 0 for t in leaves):
+        raise ValueError(
+            "`sample` must hold at least one row of inputs, batch axis first: kmix.export checks the half "
+            f"model against float32 on it. Received: sample with shapes {shapes}."
+        )
+    return _as_input_dtypes(model, sample), f"given: {shapes}"
+
+
+def _as_input_dtypes(model, sample):
+    """`sample` with each integer input in the dtype the model's input takes (int64 ids for an int32 input).
+
+    The served signature takes the model's input dtypes; integers that do not
+    fit it, or floats for an integer input, are refused naming `sample`.
+    """
+    specs = input_specs(model)
+    if specs is None:
+        return sample
+    leaves, wanted = keras.tree.flatten(sample), keras.tree.flatten(specs)
+    if len(leaves) != len(wanted):
+        return sample  # the structure is checked where the model runs on it
+    converted = []
+    for leaf, spec in zip(leaves, wanted):
+        value = np.asarray(leaf)
+        target = spec.dtype.as_numpy_dtype
+        if spec.dtype.is_integer and value.dtype != target:
+            if not np.issubdtype(value.dtype, np.integer) or (
+                value.size and (value.min() < np.iinfo(target).min or value.max() > np.iinfo(target).max)):
+                raise ValueError(
+                    f"`sample` must hold {spec.dtype.name} values where model {model.name!r} takes "
+                    f"{spec.dtype.name} inputs (token ids). Received: sample of dtype {value.dtype.name} "
+                    f"(values {value.min() if value.size else ''} to {value.max() if value.size else ''})."
+                )
+            leaf = value.astype(target)
+        elif spec.dtype.is_floating and np.issubdtype(value.dtype, np.integer):
+            leaf = value.astype(np.float32)
+        converted.append(leaf)
+    return keras.tree.pack_sequence_as(sample, converted)
 
 
 def outputs(model, x):

@@ -13,6 +13,9 @@ One pipeline, read top to bottom in `export`:
    the figures reported are the artifact's.
 """
 
+import gc
+import os
+import shutil
 import warnings
 
 import keras
@@ -21,7 +24,8 @@ from kmix._output import progress
 from kmix.placing import autocast
 from kmix._tree import walk
 from kmix.policy.policy import Policy
-from kmix.serving import artifact, check, keras_file, storage
+from kmix.route import inplace
+from kmix.serving import artifact, check, half_weights, keras_file, storage
 
 _HALF = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "f16": "float16"}
 
@@ -91,20 +95,27 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
     export (`kmix.serving.NotFiniteError`, naming the layers
     `kmix.diagnose` finds overflowing). After writing, the artifact is read
     back and compared with float32 again: the report's figures are the
-    artifact's. `model` is not changed (a placed copy is written).
+    artifact's; an artifact that fails that check is removed. A SavedModel
+    is written from `model` itself, placed in place for the export (one
+    `kmix.autocast`) and put back after, through half copies of the weights
+    it serves (the artifact's weights, 0.5x float32's for bfloat16): no
+    copy of the model. A `.keras` file is written from a placed copy (its
+    config is the file's). `model` is left as it was.
 
     Args:
         model: a built `keras.Model` (Sequential, functional, subclassed,
             keras.applications, keras-hub backbones and tasks), in float32
             or already placed by `kmix.autocast`.
         filepath: a directory for a SavedModel, a path ending in `.keras`,
-            or a list of them (one check, every artifact written).
+            or a list of them (one check, every artifact written); not
+            `.h5` / `.hdf5`.
         dtype: `"bfloat16"` (the default: float32's range) or `"float16"`.
         sample: inputs to check on, as the model takes them (arrays or
             tensors, lists / dicts of them, or a `tf.data.Dataset`); by
             default drawn from the input specs (a standard normal, token ids
             below the smallest embedding's vocabulary). A real batch checks
-            what you serve.
+            what you serve; at least one row. Integer inputs are taken in
+            the dtype the model's inputs have (int64 ids for int32 inputs).
         float32_layers: layer names, paths or classes to keep in float32
             compute, as `kmix.autocast` takes them (their matrices are still
             stored in `dtype` where the values fit).
@@ -136,7 +147,132 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
     _check_model(model)
     say = progress if verbose else (lambda message: None)
     x, origin = check.sample_inputs(model, sample)
+    if any(artifact.kind(path) == "keras" for path in paths):
+        report = _export_copy(model, paths, half, x, origin, float32_layers, say)
+    else:
+        report = _export_in_place(model, paths, half, x, origin, float32_layers, say)
+    if verbose:
+        print(report)
+    return report
 
+
+def _export_in_place(model, paths, half, x, origin, float32_layers, say):
+    """SavedModels of `model` placed in place (autocast once) and served with half weights; `model` put back."""
+    with inplace.Preserved(model, variables=False) as kept:
+        expected = _float32_outputs(model, x, kept)
+        say(f"kmix.export: placing {model.name!r} ({half}, in place for the export)")
+        _autocast(model, Policy("O1", half=half), float32_layers)
+        weights = half_weights.HalfWeights(model, half)
+        signature = artifact.input_signature(model, model, x)
+        say("kmix.export: checking it against float32 on the sample")
+        # Eagerly: a trace now would be saved beside the one `tf.saved_model.save` makes (the graph twice).
+        before = _check_finite(expected, weights.call(artifact.as_serving_inputs(x)), model, x, half,
+                               float32_layers, kept)
+        weight_bytes, float32_bytes = weights.bytes()
+        float32_layers_now = [p for p, layer, _ in walk(model) if layer.compute_dtype == "float32" and layer.weights]
+        stored, kept_float32 = weights.stored_in_half, weights.kept_float32
+        disk, seconds, worst = {}, {}, None
+        for n, path in enumerate(paths):
+            last = n == len(paths) - 1
+            say(f"kmix.export: writing {path}")
+
+            def write(to):
+                artifact.write_function(weights.call, signature, to, weights.variables())
+
+            def release():  # the half weights, before the artifact's own are read back
+                nonlocal weights
+                weights = None
+                gc.collect()
+
+            result, seconds[path] = _write_checked(path, write, lambda to: artifact.load(to, None), x, expected,
+                                                   before, say, release if last else None)
+            worst = result if worst is None or result.max_abs_diff > worst.max_abs_diff else worst
+            disk[path] = artifact.disk_bytes(path)
+    return ExportReport(
+        paths=paths, dtype=half, sample=origin, max_abs_diff=worst.max_abs_diff,
+        max_abs_float32=worst.max_abs_float32, top1_agreement=worst.top1_agreement,
+        weight_bytes=weight_bytes, float32_weight_bytes=float32_bytes, disk_bytes=disk,
+        load_seconds=seconds, stored_in_half=stored, kept_float32=kept_float32, float32_layers=float32_layers_now,
+    )
+
+
+def _float32_outputs(model, x, kept):
+    """`model`'s float32 outputs on `x`: as it is where it computes in float32, else placed under O0 for a while."""
+    if _computes_in_float32(model):
+        return check.outputs(model, x)
+    _autocast(model, Policy("O0"), None)
+    try:
+        return check.outputs(model, x)
+    finally:
+        kept.restore_layers()
+
+
+def _check_finite(expected, got, model, x, half, float32_layers, kept):
+    """The comparison before writing; refuses non-finite float32 or half outputs (naming the layers)."""
+    before = check.Comparison(expected, got)
+    if not before.float32_finite:
+        raise ValueError(
+            f"`sample` gives non-finite outputs in float32 already (model {model.name!r}): there is nothing to "
+            "check the half model against. Pass inputs the model was trained on."
+        )
+    if not before.finite:
+        kept.restore_layers()
+        reference = model if _computes_in_float32(model) else _autocast(model, Policy("O0"), None)
+        raise check.refuse(before, reference, x, half, float32_layers)
+    return before
+
+
+def _write_checked(path, write, load, x, expected, before, say, release=None):
+    """Writes through `write(to)` beside `path`, reads it back (`load(to)`) and compares, then moves it to `path`.
+
+    Nothing is left behind where writing or the read-back fails: the artifact
+    is written to a temporary path next to `path` and moved there only once
+    it computes as the model it was written from. Returns `(Comparison, seconds to read back)`.
+    """
+    head, tail = os.path.split(path.rstrip(os.sep))
+    partial = os.path.join(head, f".kmix-partial-{os.getpid()}-{tail}")  # keeps `.keras` at the end
+    _remove(partial)
+    try:
+        write(partial)
+        if release is not None:
+            release()
+        say(f"kmix.export: reading {path} back")
+        predict, seconds = load(partial)
+        result = check.Comparison(expected, predict(x))
+        # Read back, a graph may round otherwise (fused kernels); a model rebuilt wrong is further off.
+        if not result.finite or result.max_abs_diff > 4 * before.max_abs_diff + 1e-6 * before.max_abs_float32:
+            raise ValueError(
+                f"kmix.export wrote {path}, but read back it is {result.max_abs_diff:.4g} from float32 where "
+                f"the model it wrote is {before.max_abs_diff:.4g}: it does not compute as that model does, "
+                "and was removed."
+                + (" A saved config does not rebuild this model as it is: export to a SavedModel directory "
+                   "(a path not ending in .keras)." if artifact.kind(path) == "keras" else "")
+            )
+        _remove(path)
+        os.replace(partial, path)
+    except BaseException:
+        _remove(partial)
+        raise
+    return result, seconds
+
+
+def _remove(path):
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _autocast(model, policy, float32_layers):
+    """`kmix.autocast(model, policy)` in place, its advice about reloading a model silenced (export checks its own)."""
+    with warnings.catch_warnings():
+        # Its advice on reloading the placed model is for training; export reads its artifact back itself.
+        warnings.filterwarnings("ignore", message="kmix.autocast placed ")
+        return autocast(model, policy, float32_layers=float32_layers)
+
+
+def _export_copy(model, paths, half, x, origin, float32_layers, say):
+    """`.keras` files (and SavedModels beside them): a placed copy of `model`, its weights stored half."""
     say(f"kmix.export: placing a {half} copy of {model.name!r}")
     served = _placed_copy(model, Policy("O2", half=half), float32_layers)
     stored, kept = storage.store_in_half(served, half)
@@ -152,7 +288,8 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
         )
     if not before.finite:
         say("kmix.export: non-finite outputs in half precision; diagnosing")
-        raise check.refuse(before, _placed_copy(model, Policy("O0"), None), x, half, float32_layers)
+        raise check.refuse(before, reference if reference is not model else _placed_copy(model, Policy("O0"), None),
+                           x, half, float32_layers)
 
     for path in paths:
         if artifact.kind(path) == "keras":
@@ -160,32 +297,20 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
     disk, seconds, worst = {}, {}, None
     for path in paths:
         say(f"kmix.export: writing {path}")
-        artifact.write(served, path, x, model)
-        say(f"kmix.export: reading {path} back")
-        predict, seconds[path] = artifact.load(path, served)
-        result = check.Comparison(expected, predict(x))
-        # Read back, a graph may round otherwise (fused kernels); a model rebuilt wrong is further off.
-        if not result.finite or result.max_abs_diff > 4 * before.max_abs_diff + 1e-6 * before.max_abs_float32:
-            raise ValueError(
-                f"kmix.export wrote {path}, but read back it is {result.max_abs_diff:.4g} from float32 where "
-                f"the model it wrote is {before.max_abs_diff:.4g}: it does not compute as that model does."
-                + (" A saved config does not rebuild this model as it is: export to a SavedModel directory "
-                   "(a path not ending in .keras)." if artifact.kind(path) == "keras" else "")
-            )
+        result, seconds[path] = _write_checked(
+            path, lambda to: artifact.write(served, to, x, model), lambda to: artifact.load(to, served),
+            x, expected, before, say)
         worst = result if worst is None or result.max_abs_diff > worst.max_abs_diff else worst
         disk[path] = artifact.disk_bytes(path)
 
     weight_bytes, float32_bytes = storage.weight_bytes(served)
-    report = ExportReport(
+    return ExportReport(
         paths=paths, dtype=half, sample=origin, max_abs_diff=worst.max_abs_diff,
         max_abs_float32=worst.max_abs_float32, top1_agreement=worst.top1_agreement,
         weight_bytes=weight_bytes, float32_weight_bytes=float32_bytes, disk_bytes=disk,
         load_seconds=seconds, stored_in_half=stored, kept_float32=kept,
         float32_layers=[p for p, layer, _ in walk(served) if layer.compute_dtype == "float32" and layer.weights],
     )
-    if verbose:
-        print(report)
-    return report
 
 
 def _placed_copy(model, policy, float32_layers):

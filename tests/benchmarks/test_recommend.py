@@ -38,6 +38,8 @@ def test_one_trial_on_a_tiny_encoder_hand_times_every_route():
     run = recommend.trial(size, batch_size=4, budget_s=0.5, hand_rounds=2, hand_steps=1, dtypes=["float32"])
     # Every route recommend timed was hand-timed too, and had at least the documented minimum of rounds.
     assert set(run["hand_ms"]) == set(run["rounds"]) == set(run["recommend_ms"])
-    assert min(run["rounds"].values()) >= 5 and recommend._label(run["pick"]) in run["hand_ms"]
+    # The documented minimum of rounds where routes are compared; one where the budget built one route alone.
+    assert min(run["rounds"].values()) >= (5 if len(run["rounds"]) > 1 else 1)
+    assert recommend._label(run["pick"]) in run["hand_ms"]
     assert recommend._label(run["strict_pick"]) in run["hand_ms"]
     assert all(math.isfinite(v) and v > 0 for v in run["hand_ms"].values())
