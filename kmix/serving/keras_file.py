@@ -10,6 +10,9 @@ written with Keras's counterparts instead, chosen to compute as kmix's do:
   exactly (every half value is a float32 one): the same arithmetic, with
   that layer's variables in float32 in memory. Keras has no policy that
   stores half and computes float32.
+- a layer handing float32 out from a half matmul (its activation a
+  `kmix.ops.float32_out` one: the model's output layers) is written with
+  Keras's plain activation under `float32` (its weights half in the file).
 - `kmix.layers.Softmax` (a float32 softmax handing back the half compute
   dtype) becomes Keras's `Softmax` under `float32`: the same softmax, its
   output float32 (the next layer casts it to its compute dtype).
@@ -37,6 +40,7 @@ import zipfile
 import keras
 
 from kmix._tree import walk
+from kmix.ops import float32_out
 from kmix.placing.reload import user_classes
 
 _CONFIG = "config.json"
@@ -103,7 +107,8 @@ def written_in_float32(model):
     """
     found = set()
     for _, layer, _ in walk(model):
-        if layer.compute_dtype == "float32" or type(layer).__module__.split(".")[0] == "kmix":
+        if (layer.compute_dtype == "float32" or type(layer).__module__.split(".")[0] == "kmix"
+                or float32_out.is_wrapped(getattr(layer, "activation", None))):
             found.update([id(layer)] + [id(inner) for _, inner, _ in walk(layer)])
     return found
 
@@ -131,9 +136,22 @@ def _visit(node, layer, refused):
     if _is_kmix(node):
         node = _as_keras(node, layer, refused)
     inner = node.get("config")
+    if isinstance(inner, dict) and _plain_activation(inner.get("activation")):
+        # An output layer's float32-out activation: the plain one, the layer computing in float32.
+        node = {**node, "config": {**inner, "activation": _plain_activation(inner["activation"]), "dtype": _float32()}}
+        inner = node["config"]
     if isinstance(inner, dict) and isinstance(inner.get("name"), str) and "trainable" in inner:
         layer = inner["name"]  # a layer's config: what a refusal names
     return {key: _visit(value, layer, refused) for key, value in node.items()}
+
+
+def _plain_activation(activation):
+    """Keras's name of a serialized `kmix.ops.float32_out` activation (`"softmax"`), or None for any other."""
+    prefix = "kmix>float32_"
+    if isinstance(activation, dict) and isinstance(activation.get("config"), str):
+        name = activation["config"]
+        return name[len(prefix):] if name.startswith(prefix) else None
+    return None
 
 
 def _float32():
