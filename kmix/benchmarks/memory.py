@@ -3,7 +3,7 @@
 One row per configuration, each built, trained and measured alone:
 
 - `float32`: Keras AdamW, float32 everything (the baseline of the ratios);
-  every row uses AdamW with `beta_2=0.99`, which bfloat16 can hold;
+  every row uses AdamW with `beta_2=0.99` (the figures in docs/benchmarks.md were taken so);
 - `O1`: kmix mixed precision (float32 parameters, float16 compute, `kmix.wrap`);
 - `O1 bfloat16`: the same with bfloat16 compute (the route `kmix.recommend`
   picks on a CPU with AVX512_BF16): its peak against float32's is the CPU's
