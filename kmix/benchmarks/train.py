@@ -63,7 +63,7 @@ HEADERS = ["policy", "stack", "compiled", "ms/step", "items/s", "TFLOP/s", "peak
 AUTO = "auto"  # Keras's default jit_compile
 
 
-def configurations(policies, jit_modes, recommendation=None, model_recommendation=None):
+def configurations(policies, jit_modes, recommendation=None, model_recommendation=None, autocast=False):
     """The `(policy, stack, jit_compile)` triples one run measures, in table order.
 
     Args:
@@ -71,6 +71,8 @@ def configurations(policies, jit_modes, recommendation=None, model_recommendatio
         jit_modes: a list of `"auto"`, False and/or True.
         recommendation: a `kmix.Recommendation` for the `recommended` row, or None.
         model_recommendation: `kmix.recommend(model, ...)`'s, for the last row, or None.
+        autocast: add the `autocast` rows (the float32 model placed by `kmix.autocast` O1-<half>):
+            on for every model but the GPT, whose `kmix` rows already use kmix's layers.
     """
     configs = []
     for jit in jit_modes:
@@ -79,7 +81,7 @@ def configurations(policies, jit_modes, recommendation=None, model_recommendatio
         configs.append(("float32", "tf-rewrite", False))
     for jit in jit_modes:
         configs += [(p, "kmix", jit) for p in policies]
-    for jit in jit_modes:
+    for jit in jit_modes if autocast else []:
         configs += [(p, "autocast", jit) for p in policies if p != "float32"]
     if recommendation is not None:
         configs.append((recommendation.policy, "recommended", recommendation.jit_compile))
@@ -186,7 +188,7 @@ def main(argv=None):
                  f"(budget_s={args.recommend_budget:g})")
         model_recommendation = recommend_on_model(args.model, size, args.recommend_budget,
                                                   recommendation.probe if recommendation else None)
-    configs = configurations(policies, jit_modes, recommendation, model_recommendation)
+    configs = configurations(policies, jit_modes, recommendation, model_recommendation, autocast=args.model != "gpt")
     device = gpu_name()
     where = tf.config.experimental.get_device_details(
         tf.config.list_physical_devices("GPU")[0]).get("device_name", "GPU") if device else \
