@@ -10,6 +10,7 @@ import tensorflow as tf
 
 import kmix
 from kmix.serving import NotFiniteError, artifact, export
+from tests.testing import created_variables
 
 # bfloat16 keeps 8 bits of mantissa: a few roundings on the way give about 1e-2 relative.
 BF16_RTOL = 0.05
@@ -339,28 +340,9 @@ def test_export_makes_no_float32_copy_of_the_weights(tmp_path):
 
     model = mlp(width=256)
     x = inputs((8, 32))
-    created, in_autocast = [], []
-    autocast = pipeline.autocast
-
-    def counting_autocast(*args, **kwargs):  # autocast's own cost is its own test's (issue 38 item 1)
-        in_autocast.append(True)
-        try:
-            return autocast(*args, **kwargs)
-        finally:
-            in_autocast.pop()
-
-    def creator(next_creator, **kwargs):
-        variable = next_creator(**kwargs)
-        if not in_autocast:
-            created.append((variable.dtype.name, int(np.prod(variable.shape))))
-        return variable
-
-    pipeline.autocast = counting_autocast
-    try:
-        with tf.variable_creator_scope(creator):
-            export(model, str(tmp_path / "half"), sample=x, verbose=False)
-    finally:
-        pipeline.autocast = autocast
+    with created_variables() as variables:  # autocast's weightless twins included: they create none
+        export(model, str(tmp_path / "half"), sample=x, verbose=False)
+    created = [(v.dtype.name, int(np.prod(v.shape))) for v in variables]
     weights = sum(int(np.prod(v.shape)) for v in model.weights)
     float32 = sum(n for dtype, n in created if dtype == "float32")
     half = sum(n for dtype, n in created if dtype == "bfloat16")

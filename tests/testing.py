@@ -13,6 +13,7 @@ Keras's own `keras.src.testing` is private, so kmix's tests use these:
 """
 
 import collections
+import contextlib
 import os
 import re
 import tempfile
@@ -214,3 +215,23 @@ def _as_list(x):
     if isinstance(x, (list, tuple)):
         return list(x)
     return [x]
+
+
+@contextlib.contextmanager
+def created_variables():
+    """Every TensorFlow variable created inside the block, autocast's own included, in a list it yields.
+
+    Counting what a call creates is how the tests hold kmix's calls to no second copy of the
+    user's weights, whatever the machine (issue 38).
+    """
+    import tensorflow as tf
+
+    created = []
+
+    def creator(next_creator, **kwargs):
+        variable = next_creator(**kwargs)
+        created.append(variable)
+        return variable
+
+    with tf.variable_creator_scope(creator):
+        yield created

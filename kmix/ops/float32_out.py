@@ -24,59 +24,26 @@ def _float32(x):
     return keras.ops.cast(x, "float32")
 
 
-@_register
-def float32_linear(x):
-    """`x` cast to float32."""
-    return _float32(x)
+def _float32_form(name, activation):
+    """`activation` applied in float32, registered with Keras as `kmix>float32_<name>`."""
+
+    def function(x):
+        return activation(_float32(x))
+
+    function.__name__ = function.__qualname__ = f"float32_{name}"
+    function.__doc__ = f"`keras.activations.{name}` of `x` cast to float32."
+    return _register(function)
 
 
-@_register
-def float32_softmax(x):
-    """Softmax over the last axis, in float32."""
-    return keras.activations.softmax(_float32(x))
-
-
-@_register
-def float32_log_softmax(x):
-    """Log-softmax over the last axis, in float32."""
-    return keras.activations.log_softmax(_float32(x))
-
-
-@_register
-def float32_sigmoid(x):
-    """Sigmoid in float32."""
-    return keras.activations.sigmoid(_float32(x))
-
-
-@_register
-def float32_tanh(x):
-    """Tanh in float32."""
-    return keras.activations.tanh(_float32(x))
-
-
-@_register
-def float32_relu(x):
-    """ReLU in float32."""
-    return keras.activations.relu(_float32(x))
-
-
-@_register
-def float32_gelu(x):
-    """GELU (Keras's default, tanh approximation) in float32."""
-    return keras.activations.gelu(_float32(x))
-
-
-@_register
-def float32_silu(x):
-    """SiLU in float32."""
-    return keras.activations.silu(_float32(x))
-
-
-@_register
-def float32_softplus(x):
-    """Softplus in float32."""
-    return keras.activations.softplus(_float32(x))
-
+float32_linear = _float32_form("linear", lambda x: x)
+float32_softmax = _float32_form("softmax", keras.activations.softmax)
+float32_log_softmax = _float32_form("log_softmax", keras.activations.log_softmax)
+float32_sigmoid = _float32_form("sigmoid", keras.activations.sigmoid)
+float32_tanh = _float32_form("tanh", keras.activations.tanh)
+float32_relu = _float32_form("relu", keras.activations.relu)
+float32_gelu = _float32_form("gelu", keras.activations.gelu)
+float32_silu = _float32_form("silu", keras.activations.silu)
+float32_softplus = _float32_form("softplus", keras.activations.softplus)
 
 _WRAPPED = {
     keras.activations.linear: float32_linear,

@@ -14,6 +14,7 @@ from kmix.route import trials
 from kmix.route.recommendation import decide, decide_routes, model_shape
 from kmix.route.rule import FLOAT16_MARGIN, MIN_SPEEDUP, choose
 from kmix.route.trials import candidates
+from tests.testing import created_variables
 
 CPU_BF16 = {"model": "AMD EPYC", "source": "/proc/cpuinfo", "avx512_bf16": True, "amx_bf16": False,
             "avx512_fp16": False, "avx512f": True}
@@ -323,34 +324,11 @@ def test_recommend_creates_one_optimizer_state_and_puts_back_what_a_step_moves()
     """Counted, not timed: the variables made during recommend are one optimizer's state (SGD with momentum:
     one slot per trainable variable) and the loss-scale optimizers' scalars, never a copy of the weights;
     the batch-norm statistics and the dropout seed a training step moves are put back bit for bit."""
-    import keras
-    from kmix.route import trials as trials_module
-
     model, x, y = _bn_model()
     before = _state(model)
     reference = model.predict(x, verbose=0)
-    created, in_autocast = [], []
-    autocast = trials_module.autocast
-
-    def counting_autocast(*args, **kwargs):  # autocast's own cost is its own test's (issue 38 item 1)
-        in_autocast.append(True)
-        try:
-            return autocast(*args, **kwargs)
-        finally:
-            in_autocast.pop()
-
-    def creator(next_creator, **kwargs):
-        variable = next_creator(**kwargs)
-        if not in_autocast:
-            created.append(variable)
-        return variable
-
-    trials_module.autocast = counting_autocast
-    try:
-        with tf.variable_creator_scope(creator):
-            rec = kmix.recommend(model, x, y, batch_size=8, dtypes=("bfloat16",), budget_s=8.0, verbose=False)
-    finally:
-        trials_module.autocast = autocast
+    with created_variables() as created:  # autocast's weightless twins included: they create none
+        rec = kmix.recommend(model, x, y, batch_size=8, dtypes=("bfloat16",), budget_s=8.0, verbose=False)
     _assert_same_state(before, _state(model))
     np.testing.assert_array_equal(model.predict(x, verbose=0), reference)
     weights = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
