@@ -66,7 +66,10 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
     Each layer takes its policy on itself, as Apex's `amp.initialize` does:
     half compute for matmuls, convolutions and embeddings; float32 for
     normalization, softmax, mixture-of-experts routers, timestep embeddings
-    and the layers producing the outputs. A twin of the placed model is built
+    and the outputs (a `Dense` or convolution producing one computes its
+    matmul in half and hands float32 out, where the model's config lists it;
+    float32 otherwise), variables a layer makes float32 on purpose (LoRA)
+    and layers with a variable beyond float16's range. A twin of the placed model is built
     from its config without weights and run on the model's own variables:
     the model is made to predict bit for bit what `keras.models.load_model`
     rebuilds, or a warning says why not. The rules, the table and what a

@@ -2,8 +2,10 @@
 
 The rules are those of Apex O1 and `torch.autocast`: matmuls, convolutions,
 embeddings and attention projections run in the half compute dtype;
-normalization layers, softmax / log-softmax and the layers producing the
-model's outputs stay in float32. They are applied to every layer of a model,
+normalization layers, softmax / log-softmax and the model's outputs stay in
+float32 (a `Dense` or convolution producing an output computes its matmul in
+half and hands float32 out through its activation's `kmix.ops.float32_out`
+form, as TensorFlow's guide and torch autocast do). They are applied to every layer of a model,
 layers nested in other layers and models included. `Rules.plan` is pure: it
 reads the model and changes nothing (`place` places the plan).
 """
