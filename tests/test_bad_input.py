@@ -214,3 +214,12 @@ def test_diagnose_with_a_nonfinite_float32_loss_gives_one_verdict():
 def test_overflow_report_before_build_says_how_to_build():
     with pytest.raises(ValueError, match=r"is not built yet.*optimizer\.build\(model\.trainable_variables\)"):
         kmix.wrap("adam").overflow_report()
+
+
+def test_autocast_names_policy_and_float32_layers():
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    with pytest.raises((TypeError, ValueError), match=r"`policy`.*Received: policy=16"):
+        kmix.autocast(model, 16)
+    with pytest.raises(TypeError, match=r"`float32_layers` must be a list .*Received: float32_layers=3 \(of type int\)"):
+        kmix.autocast(model, "O1", float32_layers=3)

@@ -29,7 +29,7 @@ from kmix.optimizers.late import warn_if_unscaled
 from kmix.policy import advice
 from kmix._tree import is_graph_model, own_weights, resolved_policy, walk
 from kmix.placing.rules import Kind, Rules
-from kmix.policy.policy import Policy
+from kmix.policy.policy import parse
 
 _ROUNDS = 3  # checks that change the plan, at most, each followed by a new twin
 
@@ -101,7 +101,7 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
     >>> with kmix.policy_scope("O1"):
     ...     model.compile(optimizer=kmix.wrap("adam"), loss="mse")
     """
-    policy = Policy(policy)
+    policy = parse(policy, "policy")
     _check_model(model)
     advised = islands.advise(model, policy, sample) if sample is not None else None
     given = float32_layers if advised is None else islands.merge(float32_layers, list(advised.targets))

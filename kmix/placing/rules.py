@@ -265,6 +265,11 @@ def _split_float32_layers(float32_layers):
         return (), set()
     if isinstance(float32_layers, (str, type)):
         float32_layers = [float32_layers]
+    if not isinstance(float32_layers, (list, tuple, set, frozenset)):
+        raise TypeError(
+            "`float32_layers` must be a list of layer classes and/or layer names. "
+            f"Received: float32_layers={float32_layers!r} (of type {type(float32_layers).__name__})."
+        )
     classes, names = [], set()
     for item in float32_layers:
         if isinstance(item, type) and issubclass(item, keras.layers.Layer):
