@@ -19,6 +19,7 @@ from kmix._compat.layers import (
     producer,
     recast_variable,
     set_node_arguments,
+    storage_swapped,
     sublayers,
 )
 from kmix._compat.optimizer import (

@@ -1,5 +1,7 @@
 """Keras's layer tree and functional graphs: the private names autocast, export and the tests read."""
 
+import contextlib
+
 import tensorflow as tf
 
 from kmix._compat import keras_src
@@ -32,6 +34,32 @@ def recast_variable(variable, dtype):
     value = tf.cast(variable._value, dtype)
     variable._dtype = keras.backend.standardize_dtype(dtype)
     variable._initialize(value)
+
+
+@contextlib.contextmanager
+def storage_swapped(pairs):
+    """Each Keras variable of `pairs` reads the `tf.Variable` paired with it, in that one's dtype, for a while.
+
+    `kmix.export` serves the user's model on half copies of its weights
+    without a float32 copy in between: while swapped, a half layer reads its
+    half kernel as it would under O2 (its autocast to the compute dtype a
+    no-op), and a function traced then captures the half variables. The
+    same objects throughout; their own storage (`_value`) and dtype
+    (`_dtype`) are put back on exit. `keras.StatelessScope(state_mapping=)`,
+    the public way to serve other values, converts each value to the
+    variable's own dtype first (float32: a transient copy of every weight).
+    """
+    import keras
+
+    saved = [(variable, variable._dtype, variable._value) for variable, _ in pairs]
+    try:
+        for variable, storage in pairs:
+            variable._dtype = keras.backend.standardize_dtype(storage.dtype)
+            variable._value = storage
+        yield
+    finally:
+        for variable, dtype, value in saved:
+            variable._dtype, variable._value = dtype, value
 
 
 def built_input_shapes(layer):

@@ -19,6 +19,7 @@ import shutil
 import warnings
 
 import keras
+import tensorflow as tf
 
 from kmix._output import progress
 from kmix.placing import autocast
@@ -164,10 +165,12 @@ def _export_in_place(model, paths, half, x, origin, float32_layers, say):
         _autocast(model, Policy("O1", half=half), float32_layers)
         weights = half_weights.HalfWeights(model, half)
         signature = artifact.input_signature(model, model, x)
+        # Traced once: the check runs the function the artifact serves, and the export reuses its trace.
+        serve = tf.function(weights.call, input_signature=signature, autograph=False)
         say("kmix.export: checking it against float32 on the sample")
-        # Eagerly: a trace now would be saved beside the one `tf.saved_model.save` makes (the graph twice).
-        before = _check_finite(expected, weights.call(artifact.as_serving_inputs(x)), model, x, half,
-                               float32_layers, kept)
+        with weights.serving():
+            got = serve(artifact.as_serving_inputs(x))
+        before = _check_finite(expected, got, model, x, half, float32_layers, kept)
         weight_bytes, float32_bytes = weights.bytes()
         float32_layers_now = [p for p, layer, _ in walk(model) if layer.compute_dtype == "float32" and layer.weights]
         stored, kept_float32 = weights.stored_in_half, weights.kept_float32
@@ -177,11 +180,12 @@ def _export_in_place(model, paths, half, x, origin, float32_layers, say):
             say(f"kmix.export: writing {path}")
 
             def write(to):
-                artifact.write_function(weights.call, signature, to, weights.variables())
+                with weights.serving():
+                    artifact.write_function(serve, signature, to, weights.variables())
 
             def release():  # the half weights, before the artifact's own are read back
-                nonlocal weights
-                weights = None
+                nonlocal weights, serve
+                weights = serve = None
                 gc.collect()
 
             result, seconds[path] = _write_checked(path, write, lambda to: artifact.load(to, None), x, expected,
