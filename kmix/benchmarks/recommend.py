@@ -143,6 +143,8 @@ def trial(size, batch_size, budget_s, hand_rounds, hand_steps, probe_shape=None,
     rec = kmix.recommend(model, x, y, batch_size=batch_size, verbose=False, **kwargs)
     seconds = time.perf_counter() - begin
     table = rec.table
+    if table is None:  # the budget could not cover one route: nothing was timed on the model to score
+        raise SystemExit(f"bench recommend: {rec.reasons[-1]}")
     strict = decide_routes(table, rec.probe, facts.gpus(), facts.cpu_features(), facts.onednn_enabled(),
                            tie="float32")
     routes = [(r.policy, r.jit_compile) for r in table.routes]

@@ -96,7 +96,10 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
             where its build and 5 rounds of every route
             (`kmix.route.trials.MIN_ROUNDS`) fit in what is left; the
             reasons name the routes the budget could not cover, and the
-            recommendation comes from those measured. The routes whose
+            recommendation comes from those measured. Where not even one
+            route's build fits (estimated from one forward pass on the
+            batch: `kmix.route.trials.build_estimate`), nothing is built and
+            this device's probe decides; the reasons say so. The routes whose
             comparisons stay unsettled get more rounds while it lasts.
         probe: a `kmix.device.Probe` to use instead of measuring one.
         verbose: progress lines on stderr while it measures.
@@ -141,6 +144,18 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
         dtypes, skipped = trials.check_dtypes(dtypes), ()
     routes = [(_policy(d), jit) for d in dtypes for jit in (False, True)]
     gpus = facts.gpus()
+    build, forward = trials.build_estimate(model, batch[0])
+    left = budget_s - (time.perf_counter() - start)
+    if build > left:  # not even one route fits: what this device's probe measured decides
+        if probe is None:
+            probe = measure_probe(model_shape(model))
+        rec = decide(probe, gpus, facts.cpu_features(), facts.onednn_enabled())
+        note = (f"budget_s={budget_s:g} cannot cover timing one route on the model: a forward pass on the batch "
+                f"took {forward:.1f} s, so a route's build and compile take about {build:.0f} s, and "
+                f"{max(left, 0):.0f} s were left. Recommended from this device's probe instead (above); a "
+                f"budget_s of about {build * (len(routes) + 1) + (time.perf_counter() - start):.0f} s times "
+                "every route on the model.")
+        return dataclasses.replace(rec, reasons=rec.reasons + (note,) + tuple(notes))
     table = trials.time_routes(model, batch, loss, optimizer, routes, budget_s, verbose,
                                default_jit=bool(gpus), start=start)
     table = dataclasses.replace(table, skipped=tuple(skipped))

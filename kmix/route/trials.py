@@ -294,6 +294,24 @@ def time_routes(model, batch, loss, optimizer, routes, budget_s, verbose=True, d
                       budget_s=budget_s)
 
 
+STEPS_PER_BUILD = 3  # a route's build runs this many training steps (two to trace and build, one timed)
+FORWARDS_PER_STEP = 3  # a training step costs about three forward passes (forward, two backward matmuls)
+
+
+def build_estimate(model, x):
+    """`(seconds a route's build is estimated to take, seconds one forward pass took)`, from one forward pass.
+
+    `recommend` asks before building its first route: a model whose one
+    route cannot fit the budget is recommended for from the device probe.
+    The build is its steps (`STEPS_PER_BUILD` of about `FORWARDS_PER_STEP`
+    forward passes each) and a trace (about one forward pass more).
+    """
+    begin = time.perf_counter()
+    model(x, training=False)
+    forward = time.perf_counter() - begin
+    return forward * (STEPS_PER_BUILD * FORWARDS_PER_STEP + 1), forward
+
+
 def _label(route):
     return f"{route[0]}, {'XLA' if route[1] else 'tf.function'}"
 

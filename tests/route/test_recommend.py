@@ -291,8 +291,12 @@ def _route(label):
     return policy, compiled == "XLA"
 
 
-def test_a_budget_too_short_for_a_second_route_recommends_from_the_first_and_says_so():
+def test_a_budget_too_short_for_a_second_route_recommends_from_the_first_and_says_so(monkeypatch):
+    from kmix.route import trials as trials_module
+
     model, x, y = _small_model()
+    # As if one route's build took no time: the first route is built, however little budget is left.
+    monkeypatch.setattr(trials_module, "build_estimate", lambda model, x: (float("-inf"), 0.0))
     rec = kmix.recommend(model, x, y, batch_size=16, dtypes=("bfloat16",), budget_s=0.001, verbose=False)
     assert [(r.policy, r.jit_compile) for r in rec.table.routes] == [("float32", False)]
     assert (rec.policy, rec.jit_compile) == ("float32", False)
@@ -301,6 +305,22 @@ def test_a_budget_too_short_for_a_second_route_recommends_from_the_first_and_say
     text = str(rec)
     assert "budget_s=0.001 could not cover building and compiling" in text and "not built: budget_s=0.001" in text
     assert "(building and compiling float32, tf.function took " in text and len(rec.table.routes[0].seconds) == 1
+
+
+def test_a_budget_too_short_for_one_route_recommends_from_the_probe_and_says_so(monkeypatch):
+    """The budget holds where building one route of the model would overrun it: nothing is built."""
+    from kmix.route import trials as trials_module
+
+    model, x, y = _small_model()
+    monkeypatch.setattr(trials_module, "time_routes", lambda *a, **k: pytest.fail("built a route over budget"))
+    begin = time.perf_counter()
+    rec = kmix.recommend(model, x, y, batch_size=16, dtypes=("bfloat16",), budget_s=0.001, verbose=False)
+    took = time.perf_counter() - begin
+    device = kmix.recommend(probe=rec.probe, verbose=False)  # the device's own recommendation, same probe
+    assert (rec.policy, rec.jit_compile) == (device.policy, device.jit_compile) and rec.table is None
+    note = rec.reasons[-1]
+    assert note.startswith("budget_s=0.001 cannot cover timing one route on the model: a forward pass"), note
+    assert "Recommended from this device's probe instead" in note and took < 60, (note, took)
 
 
 def _bn_model():
@@ -364,10 +384,13 @@ def test_non_finite_data_gets_a_note():
     assert not any("`y`" in r for r in rec.reasons)
 
 
-def test_recommend_on_a_keras_hub_classifier_built_from_arguments():
+def test_recommend_on_a_keras_hub_classifier_built_from_arguments(monkeypatch):
     """A model named in no issue, as a user would pass it: a RoFormer V2 text classifier, a dataset."""
     keras_hub = pytest.importorskip("keras_hub")
     import keras
+    from kmix.route import trials as trials_module
+
+    monkeypatch.setattr(trials_module, "build_estimate", lambda model, x: (float("-inf"), 0.0))  # routes are built
 
     backbone = keras_hub.models.RoformerV2Backbone(vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=16,
                                                    intermediate_dim=32, head_size=8)
