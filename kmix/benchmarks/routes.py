@@ -6,6 +6,8 @@ A route is a dtype policy and a stack:
   under `mixed_float16` `compile` wraps Keras's own `LossScaleOptimizer`);
 - `kmix`: the policy set globally, kmix's layers (the GPT's attention is
   `kmix.layers.MultiHeadAttention`, float32 softmax) and `kmix.wrap`;
+- `keras-again`: the `keras` route built a second time: a control, since
+  the same route twice must measure alike within the noise reported;
 - `tf-rewrite`: the float32 Keras model under TensorFlow's own grappler
   rewrite (`auto_mixed_precision_onednn_bfloat16` on a CPU,
   `auto_mixed_precision` on a GPU), set only while this route runs;
@@ -36,7 +38,7 @@ import tensorflow as tf
 import kmix
 from kmix.benchmarks import gpt
 
-STACKS = ("keras", "kmix", "tf-rewrite", "autocast", "recommended", "recommend(model)")
+STACKS = ("keras", "keras-again", "kmix", "tf-rewrite", "autocast", "recommended", "recommend(model)")
 PLACED = ("autocast", "recommended", "recommend(model)")  # built in float32 and placed by kmix.autocast
 MODELS = ("gpt", "resnet50", "mobilenetv2", "gpt2-lm", "bert")
 HUB_MODELS = ("gpt2-lm", "bert")  # need keras-hub
@@ -192,7 +194,8 @@ class Route:
         self.policy, self.stack = policy, stack
         build_policy = "float32" if stack == "tf-rewrite" or stack in PLACED else policy
         with kmix.policy_scope(build_policy):
-            model, self.data, self.items = build(model_name, size, "keras" if stack in ("keras", "tf-rewrite") else "kmix")
+            plain = stack in ("keras", "keras-again", "tf-rewrite")
+            model, self.data, self.items = build(model_name, size, "keras" if plain else "kmix")
         if stack == "autocast":
             policy = autocast_policy(policy)
             self.policy = policy

@@ -55,7 +55,7 @@ import kmix
 from kmix.benchmarks.common import format_table, progress
 from kmix.benchmarks.routes import MODELS, recommend_on_model, rewrite_option as rewrite_key
 from kmix.benchmarks.train_rounds import gpu_name, largest_batch, measure_all
-from kmix.benchmarks.train_table import format_rows, plot, summary_line
+from kmix.benchmarks.train_table import control_line, format_rows, plot, summary_line
 
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 HEADERS = ["policy", "stack", "compiled", "ms/step", "items/s", "TFLOP/s", "peak mem",
@@ -63,7 +63,8 @@ HEADERS = ["policy", "stack", "compiled", "ms/step", "items/s", "TFLOP/s", "peak
 AUTO = "auto"  # Keras's default jit_compile
 
 
-def configurations(policies, jit_modes, recommendation=None, model_recommendation=None, autocast=False):
+def configurations(policies, jit_modes, recommendation=None, model_recommendation=None, autocast=False,
+                   control=False):
     """The `(policy, stack, jit_compile)` triples one run measures, in table order.
 
     Args:
@@ -73,10 +74,13 @@ def configurations(policies, jit_modes, recommendation=None, model_recommendatio
         model_recommendation: `kmix.recommend(model, ...)`'s, for the last row, or None.
         autocast: add the `autocast` rows (the float32 model placed by `kmix.autocast` O1-<half>):
             on for every model but the GPT, whose `kmix` rows already use kmix's layers.
+        control: add the first float32 Keras route again (`keras-again`), built apart, as a control.
     """
     configs = []
     for jit in jit_modes:
         configs += [(p, "keras", jit) for p in policies]
+    if control and "float32" in policies:
+        configs.append(("float32", "keras-again", jit_modes[0]))
     if "float32" in policies:
         configs.append(("float32", "tf-rewrite", False))
     for jit in jit_modes:
@@ -142,6 +146,9 @@ def main(argv=None):
                         help="build every route first and alternate their timed rounds, so that "
                         "drift on a shared machine hits all alike; no peak memory then. Default: on "
                         "without a GPU, off with one (each route alone, with its own peak memory)")
+    parser.add_argument("--control", action=argparse.BooleanOptionalAction, default=None,
+                        help="time the float32 Keras route twice, built apart, and say whether the two "
+                        "agree within the noise (default: on when interleaved, with float32 in --policies)")
     parser.add_argument("--max-batch", action="store_true",
                         help="GPT: also find the largest batch that trains, per policy (XLA; kmix stack, Keras "
                         "for float32): doubling from --batch, then bisecting; GPU only unless --force")
@@ -188,13 +195,15 @@ def main(argv=None):
                  f"(budget_s={args.recommend_budget:g})")
         model_recommendation = recommend_on_model(args.model, size, args.recommend_budget,
                                                   recommendation.probe if recommendation else None)
-    configs = configurations(policies, jit_modes, recommendation, model_recommendation, autocast=args.model != "gpt")
     device = gpu_name()
+    interleave = args.interleave if args.interleave is not None else device is None
+    control = interleave and not args.quick if args.control is None else args.control
+    configs = configurations(policies, jit_modes, recommendation, model_recommendation,
+                             autocast=args.model != "gpt", control=control)
     where = tf.config.experimental.get_device_details(
         tf.config.list_physical_devices("GPU")[0]).get("device_name", "GPU") if device else \
         f"CPU ({kmix.device.cpu_features()['model']})"
     tf32 = tf.config.experimental.tensor_float_32_execution_enabled()
-    interleave = args.interleave if args.interleave is not None else device is None
     logger, level = tf.get_logger(), tf.get_logger().level
     logger.setLevel("ERROR")  # every route traces its own step: TF's retracing warning is noise here
     try:
@@ -217,6 +226,9 @@ def main(argv=None):
           "+ 12 * layers * d_model * seq per token. speed x f32: the float32 Keras row's step time "
           "(Keras's default compile) / this one's" + (", round by round (the median ratio; the rewrite's "
           "rounds ran alone: the ratio of medians)." if interleave else "."))
+    line = control_line(results)
+    if line:
+        print(line)
     if recommendation is not None:
         print(recommendation)
     if model_recommendation is not None:

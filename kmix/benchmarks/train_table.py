@@ -46,6 +46,29 @@ def speedup(base, row):
     return base["step_seconds"] / row["step_seconds"]
 
 
+def control_line(results):
+    """Whether the float32 Keras route, timed twice (`keras-again`), measured alike; "" without the control.
+
+    The two are the same route built apart: their round-by-round ratio
+    must lie within the noise `kmix.route.timing.paired` reports for it
+    (the distance from the median ratio to the lower bound of its 90%
+    interval, at least 3%). Beyond it, the machine's speed changed under
+    the run (on a shared CPU it does, for stretches of seconds: the same
+    kernel then takes up to 1.5x as long), and the ratios of this run
+    are not to be trusted.
+    """
+    base = _baseline(results)
+    again = next((r for r in results if r["stack"] == "keras-again"), None)
+    if base is None or again is None or base.get("phase") != again.get("phase") or base.get("phase") is None:
+        return ""
+    ratio, noise = timing.paired(base["rounds"], again["rounds"])
+    held = abs(ratio - 1) <= noise
+    return (f"control: the float32 Keras route, built and timed twice, measures {ratio:.3f}x itself round by "
+            f"round (noise {noise:.1%}): " + ("the same within the noise; the ratios above hold." if held else
+                                             "NOT the same within the noise: the machine's speed changed "
+                                             "during the run; rerun it on a quieter machine."))
+
+
 def summary_line(results):
     """The `recommend(model)` row against Keras's default float32 compile and the fastest row."""
     row = next((r for r in results if r["stack"] == "recommend(model)"), None)

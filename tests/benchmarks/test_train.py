@@ -36,6 +36,31 @@ def test_configurations_in_table_order():
                                                                ("mixed_bfloat16", "kmix", True)]
 
 
+def test_the_control_row_is_the_first_float32_keras_route_again():
+    configs = train.configurations(["float32", "mixed_bfloat16"], [False], control=True)
+    assert configs[:3] == [("float32", "keras", False), ("mixed_bfloat16", "keras", False),
+                           ("float32", "keras-again", False)]
+    assert ("float32", "keras-again", False) not in train.configurations(["mixed_bfloat16"], [False], control=True)
+
+
+def _row(stack, rounds, phase=0):
+    return {"policy": "float32", "stack": stack, "jit_compile": False, "rounds": tuple(rounds),
+            "step_seconds": float(np.median(rounds)), "peak_bytes": None, "phase": phase}
+
+
+def test_the_control_line_says_whether_the_same_route_measured_alike():
+    rng = np.random.default_rng(0)
+    base = 0.2 * (1 + 0.01 * rng.standard_normal(12))
+    same = base * (1 + 0.01 * rng.standard_normal(12))
+    assert "the same within the noise" in train_table.control_line([_row("keras", base), _row("keras-again", same)])
+    # A stretch at 1.5x the time hitting the control's rounds only (the machine slowed under it).
+    slowed = same * np.where(np.arange(12) < 9, 1.5, 1.0)
+    line = train_table.control_line([_row("keras", base), _row("keras-again", slowed)])
+    assert "NOT the same within the noise" in line and "0.6" in line, line
+    assert train_table.control_line([_row("keras", base)]) == ""
+    assert train_table.control_line([_row("keras", base, None), _row("keras-again", same, None)]) == ""
+
+
 @pytest.mark.parametrize("stack", ["keras", "kmix"])
 def test_model_flops_per_token_against_a_hand_count(stack):
     layers, d, heads, seq, vocab = 2, 16, 2, 8, 40
