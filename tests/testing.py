@@ -24,6 +24,16 @@ import numpy as np
 from kmix import _compat
 
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
+# `KMIX_FULL_TESTS=1`: the larger cases too (more architectures, builders and real models), which
+# would take the default run past its 12 minutes on 2 cores; `full_only` marks them.
+FULL = os.environ.get("KMIX_FULL_TESTS") == "1"
+
+
+def full_only(why):
+    """A pytest mark skipping a case unless `KMIX_FULL_TESTS=1`; `why` says what it costs."""
+    import pytest
+
+    return pytest.mark.skipif(not FULL, reason=f"{why}; set KMIX_FULL_TESTS=1 to run it")
 
 
 def assert_config_round_trip(obj):

@@ -146,6 +146,9 @@ def main(argv=None):
                         help="build every route first and alternate their timed rounds, so that "
                         "drift on a shared machine hits all alike; no peak memory then. Default: on "
                         "without a GPU, off with one (each route alone, with its own peak memory)")
+    parser.add_argument("--stacks", default=None,
+                        help="comma-separated stacks to time (of keras, kmix, tf-rewrite, autocast); the float32 "
+                        "Keras baseline always runs; default all")
     parser.add_argument("--control", action=argparse.BooleanOptionalAction, default=None,
                         help="time the float32 Keras route twice, built apart, and say whether the two "
                         "agree within the noise (default: on when interleaved, with float32 in --policies)")
@@ -200,6 +203,13 @@ def main(argv=None):
     control = interleave and not args.quick if args.control is None else args.control
     configs = configurations(policies, jit_modes, recommendation, model_recommendation,
                              autocast=args.model != "gpt", control=control)
+    if args.stacks is not None:
+        wanted = {x.strip() for x in args.stacks.split(",") if x.strip()}
+        known = {"keras", "kmix", "tf-rewrite", "autocast"}
+        if not wanted or wanted - known:
+            parser.error(f"--stacks accepts {', '.join(sorted(known))}; received {args.stacks!r}")
+        wanted |= {"keras-again", "recommended", "recommend(model)"}
+        configs = [c for c in configs if c[1] in wanted or c[:2] == ("float32", "keras")]
     where = tf.config.experimental.get_device_details(
         tf.config.list_physical_devices("GPU")[0]).get("device_name", "GPU") if device else \
         f"CPU ({kmix.device.cpu_features()['model']})"

@@ -9,6 +9,7 @@ import kmix
 from kmix.optimizers import fused_adam
 from tests.optimizers.test_allreduce import two_replica_strategy  # one strategy, keys of its own
 from tests.optimizers.test_distribution import replica_values
+from tests.testing import full_only
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(48, 6)).astype("float32")
@@ -156,8 +157,10 @@ def test_fused_model_saves_and_reloads(tmp_path):
     assert_same_weights([w.numpy() for w in loaded.weights], [w.numpy() for w in model.weights])
 
 
-@pytest.mark.parametrize("level", ["float32", "O1-bfloat16"])
-@pytest.mark.parametrize("name", ["bert", "mean_pool"])
+@pytest.mark.parametrize("name, level", [
+    ("bert", "O1-bfloat16"), ("mean_pool", "float32"), ("mean_pool", "O1-bfloat16"),
+    pytest.param("bert", "float32", marks=full_only("35 s on 2 cores; BERT under O1-bfloat16 runs by default")),
+])
 def test_fused_update_on_real_models_follows_keras_update(name, level):
     """keras-hub's BERT (with a pooling slice) and a keras.ops graph, trained with both updates."""
     pytest.importorskip("keras_hub")

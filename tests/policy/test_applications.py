@@ -5,16 +5,18 @@ with 5 classes and no classifier activation (the logits are compared), and
 placed under one level (O1, O2 and mixed_bfloat16 rotate over the builders).
 The placed model must predict like the float32 model within
 half-precision rounding, and be the same model after `.keras` save /
-`load_model` (`assert_placement_survives_reload`). Three of them (a residual
-network, a mobile one, one with a `Normalization` layer) also train a few
-steps with `kmix.wrap`.
+`load_model` (`assert_placement_survives_reload`). MobileNetV3Small also
+trains a few steps with `kmix.wrap` (with `KMIX_FULL_TESTS=1` ResNet50 too,
+with `KMIX_ALL_APPLICATIONS=1` EfficientNetB0, which has a `Normalization`
+layer).
 
-The smallest builder of each family runs by default; the larger siblings
-(the same code with more or wider blocks: ResNet152, EfficientNetB7,
-ConvNeXtXLarge, ...) and InceptionResNetV2 run with `KMIX_ALL_APPLICATIONS=1`:
-each takes 10-50 s on a 2-core CPU (InceptionResNetV2, 780 layers and 54M
-parameters at 75x75, 30 s), and all of them would take the suite past its
-3-minute budget.
+The smallest builder of the cheaper families runs by default; the heads of
+the costlier ones (15-45 s each on 2 cores: NASNetMobile, ConvNeXtTiny,
+DenseNet121, ...) with `KMIX_FULL_TESTS=1`; the larger siblings (the same
+code with more or wider blocks: ResNet152, EfficientNetB7, ConvNeXtXLarge,
+...) and InceptionResNetV2 with `KMIX_ALL_APPLICATIONS=1`: each takes 10-50 s
+(InceptionResNetV2, 780 layers and 54M parameters at 75x75, 30 s), and all of
+them would take the suite far past its 12 minutes.
 """
 
 import os
@@ -25,23 +27,25 @@ import pytest
 from keras import ops
 
 import kmix
-from tests.testing import assert_placement_survives_reload
+from tests.testing import FULL, assert_placement_survives_reload
 
 LEVELS = ["O1", "O2", "mixed_bfloat16"]
 # Worst error of a prediction, relative to the float32 logits' largest |value| (as in test_real_models).
 TOLERANCE = {"float16": 3e-2, "bfloat16": 1.2e-1}
 # The smallest input side each builder accepts where it is not 32 (found by trying: Keras refuses less).
 SMALLEST_INPUT = {"InceptionResNetV2": 75, "InceptionV3": 75, "Xception": 71}
-# The builders that run by default: the smallest of each family, both MobileNetV3s (small, and
-# of two different shapes) and NASNetMobile (built inside name scopes; placed in place and
-# reloaded in ~13 s, where the old rebuild through a policy map took 438 s). The others are
-# deeper or wider siblings of these.
+# The builders that run by default: the smallest of each family, MobileNetV3Small and VGG. With
+# `KMIX_FULL_TESTS=1` also the family heads that take 15-45 s each on 2 cores (NASNetMobile, built
+# inside name scopes; ConvNeXt, DenseNet, EfficientNetV2, InceptionV3, MobileNetV3Large); the
+# others are deeper or wider siblings of these.
 DEFAULT = {
-    "ConvNeXtTiny", "DenseNet121", "EfficientNetB0", "EfficientNetV2B0", "InceptionV3",
-    "MobileNet", "MobileNetV2", "MobileNetV3Large", "MobileNetV3Small", "NASNetMobile",
-    "ResNet50", "ResNet50V2", "VGG16", "VGG19", "Xception",
+    "EfficientNetB0", "MobileNet", "MobileNetV2", "MobileNetV3Small", "ResNet50", "ResNet50V2", "VGG16",
+    "VGG19", "Xception",
 }
-ALL = os.environ.get("KMIX_ALL_APPLICATIONS") == "1"
+if FULL:
+    DEFAULT |= {"ConvNeXtTiny", "DenseNet121", "EfficientNetV2B0", "InceptionV3", "MobileNetV3Large",
+                "NASNetMobile"}
+ALL = os.environ.get("KMIX_ALL_APPLICATIONS") == "1"  # every builder
 
 
 def builders():
@@ -180,7 +184,10 @@ def test_autocast_application(name, level):
 # the first scale, 2^15). There the test checks that a skipped step changed nothing.
 # ResNet50 by default; the other two (O2's half variables, a Normalization layer) with
 # KMIX_ALL_APPLICATIONS=1 (12-21 s each on 2 cores; O2 training is also in test_real_models).
-TRAIN = [("ResNet50", "mixed_bfloat16")] + ([("MobileNetV3Small", "O2"), ("EfficientNetB0", "O1")] if ALL else [])
+# Training: MobileNetV3Small by default (a mobile network with hard-swish and squeeze-excite); ResNet50
+# (90 s) with KMIX_FULL_TESTS=1, EfficientNetB0 (a `Normalization` layer) with KMIX_ALL_APPLICATIONS=1.
+TRAIN = ([("MobileNetV3Small", "O2")] + ([("ResNet50", "mixed_bfloat16")] if FULL or ALL else [])
+         + ([("EfficientNetB0", "O1")] if ALL else []))
 STEPS = 4  # on one batch; a tf.function trace of the train step is most of the time (15-25 s)
 
 

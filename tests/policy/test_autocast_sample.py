@@ -132,10 +132,10 @@ SEQ, VOCAB, BATCH, EPOCHS = 8, 32, 8, 6
 
 
 def _t5_regression():
-    """A keras-hub T5Backbone (2 layers, hidden 32, from its constructor) and a Dense head on the decoder."""
+    """A keras-hub T5Backbone (1 layer, hidden 32, from its constructor) and a Dense head on the decoder."""
     keras_hub = pytest.importorskip("keras_hub")
     keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.T5Backbone(vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=32,
+    backbone = keras_hub.models.T5Backbone(vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=32,
                                            intermediate_dim=64, key_value_dim=16, dropout=0.0)
     names = ["encoder_token_ids", "encoder_padding_mask", "decoder_token_ids", "decoder_padding_mask"]
     inputs = {name: keras.Input((SEQ,), dtype="int32", name=name) for name in names}
