@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-from kmix.benchmarks.common import format_table, median, progress
+from kmix.benchmarks.common import format_table, median, progress, steady
 
 DTYPES = (None, "float16", "bfloat16")
 ROWS_PER_WORKER = 2
@@ -148,7 +148,7 @@ def _worker(args):
 
     global_batch = ROWS_PER_WORKER * 2
     x = tf.random.stateless_normal((global_batch, args.width), (1, 2))
-    dataset = tf.data.Dataset.from_tensors(x).repeat()
+    dataset = steady(tf.data.Dataset.from_tensors(x).repeat())
     batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
     steps, times, byte_counts, optimizers, params = {}, {}, {}, {}, 0
     for dtype in DTYPES:

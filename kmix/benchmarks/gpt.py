@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 import kmix
+from kmix.benchmarks.common import steady
 
 
 @keras.saving.register_keras_serializable(package="kmix_benchmarks")  # autocast checks the model reloads
@@ -85,4 +86,4 @@ def make_dataset(batch, seq, vocab):
     """One random batch of tokens and next tokens, repeated forever, as a `tf.data.Dataset`."""
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, vocab, size=(batch, seq + 1)).astype(np.int32)
-    return tf.data.Dataset.from_tensors((tokens[:, :-1], tokens[:, 1:])).repeat()
+    return steady(tf.data.Dataset.from_tensors((tokens[:, :-1], tokens[:, 1:])).repeat())

@@ -37,6 +37,7 @@ import tensorflow as tf
 
 import kmix
 from kmix.benchmarks import gpt
+from kmix.benchmarks.common import steady
 
 STACKS = ("keras", "keras-again", "kmix", "tf-rewrite", "autocast", "recommended", "recommend(model)")
 PLACED = ("autocast", "recommended", "recommend(model)")  # built in float32 and placed by kmix.autocast
@@ -109,7 +110,7 @@ def _image_data(size):
     side = size["image"]
     x = rng.uniform(0, 255, size=(size["batch"], side, side, 3)).astype("float32")
     y = rng.integers(0, size["classes"], size=(size["batch"],)).astype("int32")
-    return tf.data.Dataset.from_tensors((x, y)).repeat()
+    return steady(tf.data.Dataset.from_tensors((x, y)).repeat())
 
 
 def _hub_model(model_name, size):
@@ -141,7 +142,7 @@ def _token_data(model_name, size):
     else:
         x["segment_ids"] = np.zeros((batch, seq), "int32")
         y = rng.integers(0, size["classes"], size=(batch,)).astype("int32")
-    return tf.data.Dataset.from_tensors((x, y)).repeat()
+    return steady(tf.data.Dataset.from_tensors((x, y)).repeat())
 
 
 def autocast_policy(policy):

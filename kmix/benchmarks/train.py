@@ -239,6 +239,10 @@ def main(argv=None):
     line = control_line(results)
     if line:
         print(line)
+    if args.rounds > 1:
+        print("Each round's ms/step, in the order timed:")
+        for r in results:
+            print(f"  {r['policy']}, {r['stack']}: " + " ".join(f"{s * 1e3:.0f}" for s in r["rounds"]))
     if recommendation is not None:
         print(recommendation)
     if model_recommendation is not None:

@@ -2,15 +2,17 @@
 
 One pipeline, read top to bottom in `export`:
 
-1. place: a copy of the model under O2 with the half dtype (`kmix.autocast`):
-   half variables and compute for matmuls, convolutions and embeddings,
-   float32 for normalization, softmax and the outputs;
-2. store: the float32 layers holding a matrix (the output layer) store it in
-   half too, computing in float32 (`storage.store_in_half`);
-3. check: the half copy against the float32 model on a sample; non-finite
-   outputs are refused with the layers `kmix.diagnose` finds overflowing;
-4. write, then read the artifact back and compare it with float32 again:
-   the figures reported are the artifact's.
+1. place: for a SavedModel, the model itself, for the export only
+   (`kmix.autocast` under O1 with the half dtype, then half copies of the
+   weights its half layers and its float32 output layers read:
+   `half_weights.HalfWeights`); for a `.keras` file, a copy placed under O2
+   (its config is the file's), the float32 layers holding a matrix storing
+   it in half too (`storage.store_in_half`);
+2. check: the function to be served, traced once, against the float32
+   model on a sample; non-finite outputs are refused with the layers
+   `kmix.diagnose` finds overflowing;
+3. write, then read the artifact back and compare it with float32 again:
+   the figures reported are the artifact's. The model is put back.
 """
 
 import gc
