@@ -61,6 +61,18 @@ def test_the_control_line_says_whether_the_same_route_measured_alike():
     assert train_table.control_line([_row("keras", base, None), _row("keras-again", same, None)]) == ""
 
 
+def test_the_benchmark_datasets_run_without_tf_datas_autotuning_thread():
+    """A short `fit` on an autotuned dataset may return at the tuning thread's next wake-up (rounds snapped to
+    10 * (2**k - 1) ms): every dataset the speed benchmarks time is built without it."""
+    size = {"batch": 2, "seq": 4, "vocab": 16, "image": 32, "classes": 3}
+    datasets = [gpt.make_dataset(2, 4, 16), routes._image_data(size), routes._token_data("gpt2-lm", size),
+                routes._token_data("bert", size)]
+    for data in datasets:
+        assert data.options().autotune.enabled is False
+        assert data.map(lambda x, y: x).options().autotune.enabled is False  # bench predict's inputs
+    assert tf.data.Dataset.range(3).options().autotune.enabled is not False  # TensorFlow's default: on
+
+
 @pytest.mark.parametrize("stack", ["keras", "kmix"])
 def test_model_flops_per_token_against_a_hand_count(stack):
     layers, d, heads, seq, vocab = 2, 16, 2, 8, 40
