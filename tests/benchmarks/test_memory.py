@@ -5,8 +5,10 @@ import numpy as np
 import pytest
 
 from kmix.benchmarks import memory
+from tests.testing import full_only
 
 
+@full_only("bench memory's quick run: 140 s on 2 cores, eight configurations each traced")
 @pytest.mark.xfail(reason="after merging issues 38-41 (2026-11-26) the O2 kahan row's measured state is 0.79 MB "
                    "below float32 masters' against memory_report's 1.16 MB: to be found (issue 40 follow-up)",
                    strict=False)
