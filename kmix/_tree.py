@@ -3,12 +3,15 @@
 `walk` visits each layer inside a model once, nested models, layers a custom
 layer or a keras-hub block creates in `build` included; `own_weights` are a
 layer's variables that none of its sublayers hold; `resolved_policy` is the
-policy a layer computes under (a `DTypePolicyMap` looked up by its path).
+policy a layer computes under (a `DTypePolicyMap` looked up by its path);
+`digest` fingerprints a variable's value, to tell later whether it moved.
 """
 
 import re
+import zlib
 
 import keras
+import numpy as np
 
 from kmix import _compat
 
@@ -39,6 +42,18 @@ def own_weights(layer):
     """The variables `layer` holds itself, not through the layers inside it."""
     inherited = {id(w) for child in _children(layer) for w in child.weights}
     return [w for w in layer.weights if id(w) not in inherited]
+
+
+def digest(variable):
+    """A fingerprint of `variable`'s value (dtype, shape, two checksums of its bytes): equal while it is unchanged.
+
+    Two 32-bit checksums (CRC-32 and Adler-32, several GB/s) rather than a
+    cryptographic hash: it tells a value that moved from one that did not,
+    one variable's bytes at a time, at the size of a large model's weights.
+    """
+    value = np.ascontiguousarray(variable.numpy() if hasattr(variable, "numpy") else variable)
+    data = value.reshape(-1).view(np.uint8)
+    return value.dtype.str, value.shape, zlib.crc32(data), zlib.adler32(data)
 
 
 def _children(layer):

@@ -320,17 +320,25 @@ def test_a_failed_read_back_leaves_nothing_behind(tmp_path, monkeypatch):
 
     model = mlp()
     x = inputs((8, 32))
-    load = artifact_module.load
+    load, read_saved_model = artifact_module.load, artifact_module.read_saved_model
 
-    def wrong(path, served_model):
+    def wrong(path, served_model):  # a .keras file rebuilt so that it computes otherwise
         predict, seconds = load(path, served_model)
         return (lambda inputs_: predict(inputs_) * 0 + 1.0), seconds
 
+    def moved(path):  # a SavedModel whose weights read back are not those written
+        predict, weights = read_saved_model(path)
+        weights[0].assign(weights[0] + tf.cast(1.0, weights[0].dtype))
+        return predict, weights
+
     monkeypatch.setattr(artifact_module, "load", wrong)
-    for name in ("half", "half.keras"):
-        with pytest.raises(ValueError, match="read back it is .* and was removed"):
-            export(model, str(tmp_path / name), sample=x, verbose=False)
+    monkeypatch.setattr(artifact_module, "read_saved_model", moved)
+    with pytest.raises(ValueError, match="read back it is .* and was removed"):
+        export(model, str(tmp_path / "half.keras"), sample=x, verbose=False)
+    with pytest.raises(ValueError, match="read back its weights are not the bfloat16 weights it wrote"):
+        export(model, str(tmp_path / "half"), sample=x, verbose=False)
     assert sorted(os.listdir(tmp_path)) == []
+    np.testing.assert_array_equal(model.predict(x, verbose=0), mlp().predict(x, verbose=0))  # left as it was
 
 
 def test_export_makes_no_float32_copy_of_the_weights(tmp_path):

@@ -1,4 +1,4 @@
-"""Serving: `kmix.export` writes a half-precision artifact, checked against float32 before it is written."""
+"""Serving: `kmix.export` writes a half-precision artifact, checked against float32 before it is kept."""
 
 from kmix.serving.check import Comparison, NotFiniteError
 from kmix.serving.pipeline import ExportReport, export

@@ -110,9 +110,20 @@ def load(path, model):
                 stacklevel=3,
             )
     else:
-        loaded = tf.saved_model.load(str(path))
-        predict = lambda x: loaded.serve(_as_float32_inputs(x))  # noqa: E731
+        predict, _ = read_saved_model(path)
     return predict, time.perf_counter() - start
+
+
+def read_saved_model(path):
+    """`(predict, weights)`: a SavedModel `kmix.export` wrote, read back with `tf.saved_model.load`.
+
+    `predict` calls its `serve` endpoint on inputs as the model takes them;
+    `weights` are the variables it stores, in the order `write_function`
+    was given them (None for an artifact written by `write`).
+    """
+    loaded = tf.saved_model.load(str(path))
+    weights = list(loaded.weights) if hasattr(loaded, "weights") else None
+    return (lambda x: loaded.serve(_as_float32_inputs(x))), weights
 
 
 def disk_bytes(path):

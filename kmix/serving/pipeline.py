@@ -1,4 +1,4 @@
-"""`kmix.export(model, path)`: a half-precision serving artifact, checked against float32 before it is written.
+"""`kmix.export(model, path)`: a half-precision serving artifact, checked against float32 before it is kept.
 
 One pipeline, read top to bottom in `export`:
 
@@ -8,24 +8,29 @@ One pipeline, read top to bottom in `export`:
    `half_weights.HalfWeights`); for a `.keras` file, a copy placed under O2
    (its config is the file's), the float32 layers holding a matrix storing
    it in half too (`storage.store_in_half`);
-2. check: the function to be served, traced once, against the float32
-   model on a sample; non-finite outputs are refused with the layers
-   `kmix.diagnose` finds overflowing;
-3. write, then read the artifact back and compare it with float32 again:
-   the figures reported are the artifact's. The model is put back.
+2. write the served function (traced once) next to the path, or the placed
+   copy;
+3. read it back and check it: a SavedModel's weights against the half
+   copies it was written from, a `.keras` file's outputs against the
+   placed copy's; then its outputs against the float32 model's on a
+   sample, the figures reported. Non-finite outputs are refused with the
+   layers `kmix.diagnose` finds overflowing; an artifact that fails is
+   removed, one that passes moved to the path. The model is put back.
 """
 
 import gc
 import os
 import shutil
+import time
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from kmix._output import progress
 from kmix.placing import autocast
-from kmix._tree import walk
+from kmix._tree import digest, walk
 from kmix.policy.policy import Policy
 from kmix.route import inplace
 from kmix.serving import artifact, check, half_weights, keras_file, storage
@@ -93,12 +98,14 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
     output layer's weights stored in `dtype` and read as float32); it takes
     float32 inputs (token ids as they are) and returns float32 outputs.
 
-    Before writing, the half model runs on a sample beside the float32
-    model; outputs that are not finite where float32's are refuse the
+    The artifact is written next to `filepath`, read back and run on a
+    sample beside the float32 model; the report's figures are the
+    artifact's. Outputs that are not finite where float32's are refuse the
     export (`kmix.serving.NotFiniteError`, naming the layers
-    `kmix.diagnose` finds overflowing). After writing, the artifact is read
-    back and compared with float32 again: the report's figures are the
-    artifact's; an artifact that fails that check is removed. A SavedModel
+    `kmix.diagnose` finds overflowing), as does a SavedModel whose weights
+    read back are not the half weights written, or a `.keras` file that
+    does not compute as the model it was written from; nothing is left at
+    `filepath` then. A SavedModel
     is written from `model` itself, placed in place for the export (one
     `kmix.autocast`) and put back after, through half copies of the weights
     it serves (the artifact's weights, 0.5x float32's for bfloat16): no
@@ -160,19 +167,21 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
 
 
 def _export_in_place(model, paths, half, x, origin, float32_layers, say):
-    """SavedModels of `model` placed in place (autocast once) and served with half weights; `model` put back."""
+    """SavedModels of `model` placed in place (autocast once) and served with half weights; `model` put back.
+
+    The served function is traced once and written; the one half run is the
+    artifact's, read back: its weights compared with the half copies it was
+    written from (digests) and its outputs with float32's.
+    """
     with inplace.Preserved(model, variables=False) as kept:
         expected = _float32_outputs(model, x, kept)
+        _check_float32_finite(expected, model)
         say(f"kmix.export: placing {model.name!r} ({half}, in place for the export)")
         _autocast(model, Policy("O1", half=half), float32_layers)
         weights = half_weights.HalfWeights(model, half)
         signature = artifact.input_signature(model, model, x)
-        # Traced once: the check runs the function the artifact serves, and the export reuses its trace.
-        serve = tf.function(weights.call, input_signature=signature, autograph=False)
-        say("kmix.export: checking it against float32 on the sample")
-        with weights.serving():
-            got = serve(artifact.as_serving_inputs(x))
-        before = _check_finite(expected, got, model, x, half, float32_layers, kept)
+        serve = tf.function(weights.call, input_signature=signature, autograph=False)  # traced once, on write
+        written = [digest(v) for v in weights.variables()]
         weight_bytes, float32_bytes = weights.bytes()
         float32_layers_now = [p for p, layer, _ in walk(model) if layer.compute_dtype == "float32" and layer.weights]
         stored, kept_float32 = weights.stored_in_half, weights.kept_float32
@@ -190,8 +199,24 @@ def _export_in_place(model, paths, half, x, origin, float32_layers, say):
                 weights = serve = None
                 gc.collect()
 
-            result, seconds[path] = _write_checked(path, write, lambda to: artifact.load(to, None), x, expected,
-                                                   before, say, release if last else None)
+            def verify(to, path=path):
+                begin = time.perf_counter()
+                predict, stored_weights = artifact.read_saved_model(to)
+                loaded_s = time.perf_counter() - begin
+                if stored_weights is None or [digest(v) for v in stored_weights] != written:
+                    raise ValueError(
+                        f"kmix.export wrote {path}, but read back its weights are not the {half} weights it "
+                        "wrote, and it was removed."
+                    )
+                say("kmix.export: checking it against float32 on the sample")
+                result = check.Comparison(expected, predict(x))
+                if not result.finite:
+                    kept.restore_layers()
+                    reference = model if _computes_in_float32(model) else _autocast(model, Policy("O0"), None)
+                    raise check.refuse(result, reference, x, half, float32_layers)
+                return result, loaded_s
+
+            result, seconds[path] = _write_checked(path, write, verify, say, release if last else None)
             worst = result if worst is None or result.max_abs_diff > worst.max_abs_diff else worst
             disk[path] = artifact.disk_bytes(path)
     return ExportReport(
@@ -213,27 +238,23 @@ def _float32_outputs(model, x, kept):
         kept.restore_layers()
 
 
-def _check_finite(expected, got, model, x, half, float32_layers, kept):
-    """The comparison before writing; refuses non-finite float32 or half outputs (naming the layers)."""
-    before = check.Comparison(expected, got)
-    if not before.float32_finite:
+def _check_float32_finite(expected, model):
+    """Refuses a sample on which the float32 model's outputs are not finite: nothing to check against."""
+    if not all(np.all(np.isfinite(np.asarray(t, np.float32))) for t in keras.tree.flatten(expected)):
         raise ValueError(
             f"`sample` gives non-finite outputs in float32 already (model {model.name!r}): there is nothing to "
             "check the half model against. Pass inputs the model was trained on."
         )
-    if not before.finite:
-        kept.restore_layers()
-        reference = model if _computes_in_float32(model) else _autocast(model, Policy("O0"), None)
-        raise check.refuse(before, reference, x, half, float32_layers)
-    return before
 
 
-def _write_checked(path, write, load, x, expected, before, say, release=None):
-    """Writes through `write(to)` beside `path`, reads it back (`load(to)`) and compares, then moves it to `path`.
+def _write_checked(path, write, verify, say, release=None):
+    """Writes through `write(to)` beside `path`, reads it back through `verify(to)`, then moves it to `path`.
 
-    Nothing is left behind where writing or the read-back fails: the artifact
-    is written to a temporary path next to `path` and moved there only once
-    it computes as the model it was written from. Returns `(Comparison, seconds to read back)`.
+    `verify` returns `(Comparison, seconds to read back)` or raises. Nothing
+    is left behind where writing or the read-back fails: the artifact is
+    written to a temporary path next to `path` and moved there only once it
+    passes. `release()`, when given, runs between the two (frees what was
+    written from).
     """
     head, tail = os.path.split(path.rstrip(os.sep))
     partial = os.path.join(head, f".kmix-partial-{os.getpid()}-{tail}")  # keeps `.keras` at the end
@@ -243,22 +264,32 @@ def _write_checked(path, write, load, x, expected, before, say, release=None):
         if release is not None:
             release()
         say(f"kmix.export: reading {path} back")
-        predict, seconds = load(partial)
-        result = check.Comparison(expected, predict(x))
-        # Read back, a graph may round otherwise (fused kernels); a model rebuilt wrong is further off.
-        if not result.finite or result.max_abs_diff > 4 * before.max_abs_diff + 1e-6 * before.max_abs_float32:
-            raise ValueError(
-                f"kmix.export wrote {path}, but read back it is {result.max_abs_diff:.4g} from float32 where "
-                f"the model it wrote is {before.max_abs_diff:.4g}: it does not compute as that model does, "
-                "and was removed."
-                + (" A saved config does not rebuild this model as it is: export to a SavedModel directory "
-                   "(a path not ending in .keras)." if artifact.kind(path) == "keras" else "")
-            )
+        result, seconds = verify(partial)
         _remove(path)
         os.replace(partial, path)
     except BaseException:
         _remove(partial)
         raise
+    return result, seconds
+
+
+def _read_back_near(path, to, served, x, expected, before):
+    """`(Comparison, seconds)` for the artifact at `to` read back (`artifact.load`), near the model written.
+
+    Read back, a graph may round otherwise (fused kernels); a model rebuilt
+    wrong from its config is further off: beyond 4x the written model's own
+    difference from float32, the artifact is refused.
+    """
+    predict, seconds = artifact.load(to, served)
+    result = check.Comparison(expected, predict(x))
+    if not result.finite or result.max_abs_diff > 4 * before.max_abs_diff + 1e-6 * before.max_abs_float32:
+        raise ValueError(
+            f"kmix.export wrote {path}, but read back it is {result.max_abs_diff:.4g} from float32 where "
+            f"the model it wrote is {before.max_abs_diff:.4g}: it does not compute as that model does, "
+            "and was removed."
+            + (" A saved config does not rebuild this model as it is: export to a SavedModel directory "
+               "(a path not ending in .keras)." if artifact.kind(path) == "keras" else "")
+        )
     return result, seconds
 
 
@@ -286,12 +317,8 @@ def _export_copy(model, paths, half, x, origin, float32_layers, say):
 
     say("kmix.export: checking it against float32 on the sample")
     expected = check.outputs(reference, x)
+    _check_float32_finite(expected, model)
     before = check.Comparison(expected, check.outputs(served, x))
-    if not before.float32_finite:
-        raise ValueError(
-            f"`sample` gives non-finite outputs in float32 already (model {model.name!r}): there is nothing to "
-            "check the half model against. Pass inputs the model was trained on."
-        )
     if not before.finite:
         say("kmix.export: non-finite outputs in half precision; diagnosing")
         raise check.refuse(before, reference if reference is not model else _placed_copy(model, Policy("O0"), None),
@@ -304,8 +331,8 @@ def _export_copy(model, paths, half, x, origin, float32_layers, say):
     for path in paths:
         say(f"kmix.export: writing {path}")
         result, seconds[path] = _write_checked(
-            path, lambda to: artifact.write(served, to, x, model), lambda to: artifact.load(to, served),
-            x, expected, before, say)
+            path, lambda to: artifact.write(served, to, x, model),
+            lambda to, path=path: _read_back_near(path, to, served, x, expected, before), say)
         worst = result if worst is None or result.max_abs_diff > worst.max_abs_diff else worst
         disk[path] = artifact.disk_bytes(path)
 
