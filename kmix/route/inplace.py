@@ -9,23 +9,24 @@ and puts every layer back before placing the next route. A traced step
 keeps the placement it was traced under, so the routes' steps then run
 interleaved over the same variables.
 
-`Preserved(model)` holds what it takes to put the model back:
+`Preserved(model, saved)` holds what it takes to put the model back:
 
 - each layer's class and attributes, and those of its graph's nodes and
   operations (autocast sets policies, swaps classes and replaces constants
   by assignment): restored by `restore_layers()`;
-- each variable's value, written to a temporary directory one variable at
-  a time, with its digest; on exit the variables whose digest changed
-  (batch-norm statistics, seed states; the trainable ones stay, the
-  optimizer's learning rate being 0) are read back from there;
+- each variable's digest, and the values of the variables `saved` names,
+  written to a temporary directory one variable at a time: `"all"`, or
+  `"non-trainable"` (batch-norm statistics, seed states: what a training
+  step moves when the optimizer cannot, at learning rate 0), or `"none"`.
+  On exit the saved variables whose digest changed are read back from
+  there; an unsaved one that changed is an error naming it;
 - what autocast recorded for `kmix.wrap` about the model's variables.
 
-    >>> with Preserved(model) as kept:
+    >>> with Preserved(model, saved="non-trainable") as kept:
     ...     kmix.autocast(model, "O1-bfloat16"); step = shared_step(model, ...); step()
     ...     kept.restore_layers()       # the model as it was; `step` still runs in bfloat16
 """
 
-import hashlib
 import os
 import shutil
 import tempfile
@@ -33,30 +34,41 @@ import tempfile
 import numpy as np
 
 from kmix import _compat
-from kmix._tree import walk
+from kmix._tree import digest, walk
 from kmix.policy import advice
 
 
 class Preserved:
-    """A context that puts `model`'s layers, variables and kmix's records back as they were on entry.
+    """A context that puts `model`'s layers, variables and kmix's records back as they were on entry (see the module).
 
-    `variables=False` leaves the variables out (for a caller that changes none: `kmix.export`).
+    `saved`: the variables whose values are kept to restore: `"all"`,
+    `"non-trainable"` (for a caller whose optimizer leaves the trainable ones
+    still: `kmix.recommend`) or `"none"` (for a caller that changes none:
+    `kmix.export`). Every variable's digest is checked on exit either way.
     """
 
-    def __init__(self, model, variables=True):
-        self.model, self._save_variables = model, variables
-        self._objects, self._variables, self._digests, self._records, self._dir = [], [], [], None, None
+    SAVED = ("all", "non-trainable", "none")
+
+    def __init__(self, model, saved="all"):
+        if saved not in self.SAVED:
+            raise ValueError(f"`saved` must be one of {self.SAVED}. Received: saved={saved!r}")
+        self.model, self._saved = model, saved
+        self._objects, self._variables, self._digests, self._files, self._records = [], [], [], {}, None
+        self._dir = None
 
     def __enter__(self):
         self._objects = [(obj, type(obj), dict(vars(obj))) for obj in _objects(self.model)]
-        self._variables = list(self.model.variables) if self._save_variables else []
+        self._variables = list(self.model.variables)
         self._records = advice.snapshot(self.model.variables)
+        trainable = {id(v) for v in self.model.trainable_variables}
         self._dir = tempfile.mkdtemp(prefix="kmix-preserved-")
         try:
             for i, variable in enumerate(self._variables):
                 value = np.asarray(variable.numpy())
-                np.save(os.path.join(self._dir, f"{i}.npy"), value)
-                self._digests.append(_digest(value))
+                self._digests.append(digest(value))
+                if self._saved == "all" or (self._saved == "non-trainable" and id(variable) not in trainable):
+                    self._files[i] = os.path.join(self._dir, f"{i}.npy")
+                    np.save(self._files[i], value)
         except BaseException:
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
@@ -73,18 +85,28 @@ class Preserved:
                 state.update(attrs)
 
     def changed_variables(self):
-        """The variables whose value differs from the one saved on entry."""
-        return [v for v, d in zip(self._variables, self._digests) if _digest(np.asarray(v.numpy())) != d]
+        """The variables whose value differs from the one on entry."""
+        return [v for v, d in zip(self._variables, self._digests) if digest(v) != d]
 
     def __exit__(self, *exc):
+        lost = []
         try:
             self.restore_layers()
-            for i, (variable, digest) in enumerate(zip(self._variables, self._digests)):
-                if _digest(np.asarray(variable.numpy())) != digest:
-                    variable.assign(np.load(os.path.join(self._dir, f"{i}.npy")))
+            for i, (variable, before) in enumerate(zip(self._variables, self._digests)):
+                if digest(variable) == before:
+                    continue
+                if i in self._files:
+                    variable.assign(np.load(self._files[i]))
+                else:
+                    lost.append(variable.path)
             advice.restore(self._records)
         finally:
             shutil.rmtree(self._dir, ignore_errors=True)
+        if lost and exc[0] is None:
+            raise RuntimeError(
+                f"{len(lost)} variables of model {self.model.name!r} changed where kmix kept no copy of them "
+                f"(it kept {self._saved!r}): {lost[:8]}. This is a kmix bug: please report it with the model."
+            )
         return False
 
 
@@ -104,10 +126,6 @@ def _objects(model):
                 add(node)
                 add(_compat.node_call(node)[0])
     return found
-
-
-def _digest(value):
-    return value.dtype.str, value.shape, hashlib.blake2b(np.ascontiguousarray(value).reshape(-1).view(np.uint8)).digest()
 
 
 def shared_model(model):

@@ -217,14 +217,40 @@ def fresh_optimizer(optimizer, learning_rate=None):
     return optimizer.__class__.from_config(config)
 
 
+def still_at_zero(optimizer):
+    """Whether `optimizer`'s kind, at learning rate 0, leaves a variable bit for bit as it was.
+
+    Tried on a scratch variable, two steps of a gradient drawn at random
+    (Keras's optimizers, weight decay included, scale every update by the
+    learning rate; FTRL divides by it, and an optimizer of the user's may
+    do anything). `recommend` then keeps no copy of the trainable weights.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    try:
+        probe = fresh_optimizer(optimizer, learning_rate=0.0)
+        rng = np.random.default_rng(0)
+        start = rng.standard_normal((4, 3)).astype("float32")
+        variable = tf.Variable(start)
+        for _ in range(2):
+            probe.apply_gradients([(tf.constant(rng.standard_normal((4, 3)).astype("float32")), variable)])
+        return bool(np.array_equal(variable.numpy(), start))
+    except Exception:  # noqa: BLE001  an optimizer that cannot step a scratch variable: keep the copy
+        return False
+
+
 def time_routes(model, batch, loss, optimizer, routes, budget_s, verbose=True, default_jit=False, start=None):
     """Builds, warms up and times every route that fits the budget; returns a `RouteTable` (no decision yet).
 
     Every route runs on `model`'s own variables (`kmix.route.inplace`): the
     model is placed in place for a route, the route's step traced, the model
     put back; one optimizer (the user's settings, learning rate 0, so that
-    the weights do not move) serves every route. On exit the model is as it
-    was: layers, policies, weights bit for bit, compiled functions.
+    the weights do not move) serves every route. Only the non-trainable
+    variables are copied (to disk) to be put back, unless the optimizer's
+    kind moves a variable at learning rate 0 (`still_at_zero`): then all of
+    them. On exit the model is as it was: layers, policies, weights bit for
+    bit, compiled functions.
 
     Args:
         model: the user's model (left as it was).
@@ -250,7 +276,8 @@ def time_routes(model, batch, loss, optimizer, routes, budget_s, verbose=True, d
     inner = fresh_optimizer(optimizer, learning_rate=0.0)
     built, setup, first, over = {}, {}, {}, []
     order = sorted(routes, key=lambda r: (r[1] != default_jit, r[0] != "float32"))
-    with inplace.Preserved(model) as kept, _quiet_retracing(), warnings.catch_warnings():
+    saved = "non-trainable" if still_at_zero(optimizer) else "all"  # no copy of the weights where none is needed
+    with inplace.Preserved(model, saved=saved) as kept, _quiet_retracing(), warnings.catch_warnings():
         warnings.filterwarnings("once", category=UserWarning)  # autocast's, about the model: once, not per route
         for n, route in enumerate(order, 1):
             policy, jit = route

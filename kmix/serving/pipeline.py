@@ -173,7 +173,7 @@ def _export_in_place(model, paths, half, x, origin, float32_layers, say):
     artifact's, read back: its weights compared with the half copies it was
     written from (digests) and its outputs with float32's.
     """
-    with inplace.Preserved(model, variables=False) as kept:
+    with inplace.Preserved(model, saved="none") as kept:
         expected = _float32_outputs(model, x, kept)
         _check_float32_finite(expected, model)
         say(f"kmix.export: placing {model.name!r} ({half}, in place for the export)")

@@ -2,6 +2,7 @@
 and `kmix.recommend(model, ...)` on small models, which it must leave as they were."""
 
 import dataclasses
+import os
 import time
 
 import numpy as np
@@ -451,3 +452,50 @@ def test_the_reasons_name_the_float32_route_the_table_marks():
     rec = decide_routes(table, None, gpu, CPU_PLAIN)
     assert rec.table.routes[rec.table.reference].label == "float32, tf.function"
     assert "float32's reference route (float32, tf.function" in str(rec) and "1.20x the other compilation" in str(rec)
+
+
+def test_still_at_zero_tells_the_optimizers_that_move_nothing_at_learning_rate_0():
+    import keras
+
+    from kmix.route.trials import still_at_zero
+
+    class Stubborn(keras.optimizers.SGD):  # an optimizer of a user's that ignores the learning rate
+        def update_step(self, gradient, variable, learning_rate):
+            variable.assign_sub(0.01 * gradient)
+
+    for optimizer in ("sgd", keras.optimizers.SGD(0.1, momentum=0.9), keras.optimizers.AdamW(weight_decay=0.1),
+                      keras.optimizers.Lion(), keras.optimizers.Adafactor()):
+        assert still_at_zero(optimizer), optimizer
+    for optimizer in (keras.optimizers.Ftrl(), Stubborn(0.1)):  # FTRL divides by the learning rate
+        assert not still_at_zero(optimizer), optimizer
+
+
+def test_preserved_keeps_values_only_of_what_it_is_told_and_is_loud_on_the_rest(tmp_path):
+    from kmix.route import inplace
+
+    model, x, _ = _bn_model()
+    trainable = model.trainable_variables[0]
+    statistics = [v for v in model.non_trainable_variables if "moving" in v.path]
+    before = [v.numpy().copy() for v in (trainable, *statistics)]
+    with inplace.Preserved(model, saved="non-trainable") as kept:
+        assert len(os.listdir(kept._dir)) == len(model.non_trainable_variables)  # no trainable weight copied
+        for v in statistics:
+            v.assign(v + 1.0)
+    for v, value in zip(statistics, before[1:]):
+        np.testing.assert_array_equal(v.numpy(), value)
+
+    with pytest.raises(RuntimeError, match=f"changed where kmix kept no copy.*{trainable.path}"):
+        with inplace.Preserved(model, saved="non-trainable"):
+            trainable.assign(trainable + 1.0)
+    with pytest.raises(ValueError, match="`saved` must be one of"):
+        inplace.Preserved(model, saved="trainable")
+
+
+def test_recommend_with_an_optimizer_that_moves_at_learning_rate_0_keeps_a_copy_and_puts_it_back():
+    import keras
+
+    model, x, y = _bn_model()
+    model.compile(optimizer=keras.optimizers.Ftrl(0.1), loss=model.loss)
+    before = _state(model)
+    kmix.recommend(model, x, y, batch_size=8, dtypes=("bfloat16",), budget_s=8.0, verbose=False)
+    _assert_same_state(before, _state(model))
