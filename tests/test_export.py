@@ -204,8 +204,10 @@ def test_keras_applications_model(tmp_path):
     got = served(str(tmp_path / "mobilenet"))(x).numpy()
     np.testing.assert_allclose(got, expected, atol=BF16_RTOL * np.abs(expected).max() + 1e-6)
     assert report.stored_in_half == []  # the output layer computes in half too, and hands float32 out
-    model.export(str(tmp_path / "keras_f32"), format="tf_saved_model", verbose=False)
-    assert artifact.variables_bytes(tmp_path / "mobilenet") <= 0.55 * artifact.variables_bytes(tmp_path / "keras_f32")
+    # Kernels half, the batch norms' vectors (a large share of a 0.35-wide MobileNetV2) float32.
+    float32_bytes = sum(v.numpy().nbytes for v in model.weights)
+    assert artifact.variables_bytes(tmp_path / "mobilenet") <= 0.6 * float32_bytes
+    assert report.weight_bytes <= 0.6 * report.float32_weight_bytes == 0.6 * float32_bytes
 
 
 def test_float16_overflow_is_refused_naming_the_layer_then_kept_in_float32(tmp_path):

@@ -10,6 +10,7 @@ import tensorflow as tf
 
 import kmix
 from kmix.benchmarks import gpt, routes, train, train_rounds, train_table
+from tests.testing import full_only
 
 
 def _rec(policy="mixed_bfloat16", jit=False):
@@ -198,6 +199,7 @@ def test_summary_line_against_keras_and_the_fastest_row():
     assert train_table.summary_line([result("float32", "keras", False, 0.4)]) == ""
 
 
+@full_only("about 23 s on 2 cores; the quick run above measures interleaved")
 def test_measure_alone_and_interleaved_give_the_same_figures_shape():
     size = {"layers": 1, "d_model": 16, "heads": 2, "seq": 8, "batch": 2, "vocab": 32}
     config = ("float32", "keras", False)

@@ -2,8 +2,8 @@
 
 Two worker processes on 127.0.0.1 (tests/distributed/fit_worker.py) against a
 reference process running `MirroredStrategy` over two logical CPUs on the same
-global batches; then a pair in which worker 1 dies mid-training and both are
-restarted from `BackupAndRestore`. Every process runs under a deadline and is
+global batches; then (`KMIX_FULL_TESTS=1`) a pair in which worker 1 dies
+mid-training and both are restarted from `BackupAndRestore`. Every process runs under a deadline and is
 killed by its pid (a collective whose peer died waits forever); a hang fails.
 The in-process tests check the switch itself and Keras's own LossScaleOptimizer
 under `MirroredStrategy`.
@@ -20,6 +20,7 @@ import tensorflow as tf
 import kmix
 from kmix import _compat
 from tests.fault.processes import REPO, Worker, free_ports, report, run_all, worker_env
+from tests.testing import full_only
 
 SCRIPT = REPO / "tests" / "distributed" / "fit_worker.py"
 TIMEOUT = 240  # seconds for a group of processes; a group takes 30-60 s on two busy cores
@@ -56,15 +57,21 @@ def load(out, name):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every scenario in one pair of workers plus the reference, and the kill-and-restart pair."""
+    """Every scenario in one pair of workers plus the reference."""
     root = tmp_path_factory.mktemp("multi_worker_fit")
     main = root / "main"
     workers, codes = run_group(main, "--backup-root", main / "backup", reference=True)
     assert codes == [0, 0, 0], report(workers, codes)
     results = {name: load(main, name) for name in ("multi_worker0", "multi_worker1", "mirrored0")}
     results["mirrored"] = results.pop("mirrored0")
+    return results
 
-    resumed = root / "resumed"
+
+@pytest.fixture(scope="module")
+def resumed_runs(tmp_path_factory):
+    """The pair in which worker 1 dies mid-training, then both restarted from `BackupAndRestore`."""
+    results = {}
+    resumed = tmp_path_factory.mktemp("multi_worker_fit_resumed")
     backup = ["--scenario", "backup", "--backup-root", resumed / "backup"]
     workers, codes = run_group(resumed, *backup, "--die-at", "1:2")
     assert codes[1] == -9 and codes[0] != 0, report(workers, codes)  # 1 died; 0 was stuck, killed
@@ -157,10 +164,12 @@ def test_allreduce_dtype_on_two_workers(runs, dtype):
         assert any(not np.array_equal(w0[prefix + k], w0[reference + k]) for k in weights)
 
 
-def test_backup_and_restore_after_a_worker_is_killed(runs):
+@full_only("two more groups of worker processes, about 55 s on 2 cores")
+def test_backup_and_restore_after_a_worker_is_killed(runs, resumed_runs):
     uninterrupted = runs["multi_worker0"]
     assert_same(uninterrupted, runs["multi_worker1"], "backup_", "worker 0 != worker 1")
     assert_same(uninterrupted, runs["mirrored"], "backup_", "workers != MirroredStrategy")
+    runs = resumed_runs
     for index, resumed in enumerate(runs["resumed"]):
         assert_same(resumed, uninterrupted, "backup_", f"resumed worker {index} != uninterrupted")
     # The restarted workers began at epoch 1 (restored), not at epoch 0.
@@ -271,6 +280,7 @@ def _keras_lso_step_with_inf_on_replica_1(strategy):
     return keras.ops.convert_to_numpy(w), float(keras.ops.convert_to_numpy(opt.dynamic_scale))
 
 
+@full_only("Keras's own LossScaleOptimizer under MirroredStrategy, about 30 s on 2 cores")
 def test_keras_loss_scale_optimizer_skips_when_any_replica_overflows():
     if len(tf.config.list_logical_devices("CPU")) < 2:
         pytest.skip("needs the two logical CPUs tests/conftest.py sets up")

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from tests.fault.processes import REPO, Worker, report, run_all, worker_env
+from tests.testing import full_only
 
 SCRIPT = REPO / "tests" / "fault" / "resume_worker.py"
 STALL_AT = 17  # killed after this step (0-based): epoch 1 (steps 12-23), its batch 5
@@ -52,7 +53,7 @@ def wait_for_step(worker, log, step, timeout):
     raise AssertionError(f"no step {step} within {timeout} s:\n{report([worker], [None])}")
 
 
-@pytest.mark.parametrize("mode", ["o2", "o1-accumulation"])
+@pytest.mark.parametrize("mode", ["o2", pytest.param("o1-accumulation", marks=full_only("about 18 s on 2 cores"))])
 def test_sigkill_mid_epoch_then_backup_and_restore_matches_an_uninterrupted_run(tmp_path, mode):
     """`o2`: float16 weights, float32 master weights. `o1-accumulation`: mixed_float16, 2 micro-batches a
     step, checkpointed inside a window (after step 14, its first micro-batch) and killed in another."""

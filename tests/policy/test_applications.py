@@ -5,9 +5,9 @@ with 5 classes and no classifier activation (the logits are compared), and
 placed under one level (O1, O2 and mixed_bfloat16 rotate over the builders).
 The placed model must predict like the float32 model within
 half-precision rounding, and be the same model after `.keras` save /
-`load_model` (`assert_placement_survives_reload`). MobileNetV3Small also
-trains a few steps with `kmix.wrap` (with `KMIX_FULL_TESTS=1` ResNet50 too,
-with `KMIX_ALL_APPLICATIONS=1` EfficientNetB0, which has a `Normalization`
+`load_model` (`assert_placement_survives_reload`). With `KMIX_FULL_TESTS=1`
+MobileNetV3Small and ResNet50 also train a few steps with `kmix.wrap` (with
+`KMIX_ALL_APPLICATIONS=1` EfficientNetB0 too, which has a `Normalization`
 layer).
 
 The smallest builder of the cheaper families runs by default; the heads of
@@ -27,7 +27,7 @@ import pytest
 from keras import ops
 
 import kmix
-from tests.testing import FULL, assert_placement_survives_reload
+from tests.testing import FULL, assert_placement_survives_reload, full_only
 
 LEVELS = ["O1", "O2", "mixed_bfloat16"]
 # Worst error of a prediction, relative to the float32 logits' largest |value| (as in test_real_models).
@@ -184,9 +184,11 @@ def test_autocast_application(name, level):
 # the first scale, 2^15). There the test checks that a skipped step changed nothing.
 # ResNet50 by default; the other two (O2's half variables, a Normalization layer) with
 # KMIX_ALL_APPLICATIONS=1 (12-21 s each on 2 cores; O2 training is also in test_real_models).
-# Training: MobileNetV3Small by default (a mobile network with hard-swish and squeeze-excite); ResNet50
+# Training: MobileNetV3Small (a mobile network with hard-swish and squeeze-excite) and ResNet50
 # (90 s) with KMIX_FULL_TESTS=1, EfficientNetB0 (a `Normalization` layer) with KMIX_ALL_APPLICATIONS=1.
-TRAIN = ([("MobileNetV3Small", "O2")] + ([("ResNet50", "mixed_bfloat16")] if FULL or ALL else [])
+TRAIN = ([pytest.param("MobileNetV3Small", "O2", marks=full_only("about 50 s on 2 cores; O2 trains on "
+                                                                 "keras-hub models in test_real_models"))]
+         + ([("ResNet50", "mixed_bfloat16")] if FULL or ALL else [])
          + ([("EfficientNetB0", "O1")] if ALL else []))
 STEPS = 4  # on one batch; a tf.function trace of the train step is most of the time (15-25 s)
 

@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import kmix
+from tests.testing import full_only
 
 TOLERANCE = {"float16": 3e-2, "bfloat16": 1.2e-1}  # of the float32 output's largest value
 
@@ -131,7 +132,8 @@ def test_a_class_that_drops_dtype_from_its_config_is_named():
     assert model.get_layer("block").dense.compute_dtype == "float16"  # placed in memory all the same
 
 
-@pytest.mark.parametrize("level", ["O1", "O2", "mixed_bfloat16"])
+@pytest.mark.parametrize("level", ["O1"] + [pytest.param(level, marks=full_only("about 11 s on 2 cores"))
+                                             for level in ("O2", "mixed_bfloat16")])
 def test_subclassed_model_trains_with_xla_like_float32(level):
     class Net(keras.Model):
         def __init__(self, **kwargs):

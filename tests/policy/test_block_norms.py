@@ -16,6 +16,7 @@ import pytest
 
 import kmix
 from kmix.placing import norms
+from tests.testing import FULL
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -92,6 +93,9 @@ def _assert_close(got, expected):
 @pytest.mark.parametrize("level", ["O1", "O2"])
 @pytest.mark.parametrize("cls_name", sorted(BACKBONES))
 def test_block_norms_compute_in_float32(cls_name, level):
+    if (cls_name, level) == ("T5Backbone", "O2") and not FULL:
+        pytest.skip("T5 under O2 is checked for placement only (below), about 20 s on 2 cores; "
+                    "set KMIX_FULL_TESTS=1 to run it")
     model, x, norm_cls, float32_layers = _build(cls_name)
     expected = _numpy(model(x, training=False))
     # What enters the blocks' first norms (the embeddings) squares past float16's range.
@@ -128,6 +132,7 @@ def test_block_norms_compute_in_float32(cls_name, level):
         _assert_close(_numpy(loaded(x, training=False)), expected)
 
 
+@pytest.mark.skipif(not FULL, reason="about 22 s on 2 cores; set KMIX_FULL_TESTS=1 to run it")
 def test_t5_block_norms_in_half_overflow(monkeypatch):
     """The reference the test above stands on: T5's block norms left in half give no usable output."""
     model, x, norm_cls, float32_layers = _build("T5Backbone")

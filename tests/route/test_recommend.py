@@ -257,7 +257,7 @@ def test_recommend_on_a_model_times_its_routes_and_leaves_the_model_as_it_was(ca
     model, x, y = _small_model()
     before, policy = _state(model), keras.config.dtype_policy().name
     with caplog.at_level("WARNING"):
-        rec = kmix.recommend(model, x, y, batch_size=16, dtypes=("bfloat16",), budget_s=30.0, verbose=False)
+        rec = kmix.recommend(model, x, y, batch_size=16, dtypes=("bfloat16",), budget_s=12.0, verbose=False)
     _assert_same_state(before, _state(model))
     assert keras.config.dtype_policy().name == policy
     assert "retracing" not in caplog.text
@@ -497,5 +497,5 @@ def test_recommend_with_an_optimizer_that_moves_at_learning_rate_0_keeps_a_copy_
     model, x, y = _bn_model()
     model.compile(optimizer=keras.optimizers.Ftrl(0.1), loss=model.loss)
     before = _state(model)
-    kmix.recommend(model, x, y, batch_size=8, dtypes=("bfloat16",), budget_s=8.0, verbose=False)
+    kmix.recommend(model, x, y, batch_size=8, dtypes=("bfloat16",), budget_s=3.0, verbose=False)
     _assert_same_state(before, _state(model))
