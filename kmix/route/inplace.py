@@ -14,12 +14,13 @@ interleaved over the same variables.
 - each layer's class and attributes, and those of its graph's nodes and
   operations (autocast sets policies, swaps classes and replaces constants
   by assignment): restored by `restore_layers()`;
-- each variable's digest, and the values of the variables `saved` names,
-  written to a temporary directory one variable at a time: `"all"`, or
-  `"non-trainable"` (batch-norm statistics, seed states: what a training
-  step moves when the optimizer cannot, at learning rate 0), or `"none"`.
-  On exit the saved variables whose digest changed are read back from
-  there; an unsaved one that changed is an error naming it;
+- unless `saved` is `"none"`, each variable's digest, and the values of
+  the variables `saved` names, written to a temporary directory one
+  variable at a time: `"all"`, or `"non-trainable"` (batch-norm
+  statistics, seed states: what a training step moves when the optimizer
+  cannot, at learning rate 0). On exit the saved variables whose digest
+  changed are read back from there; an unsaved one that changed is an
+  error naming it;
 - what autocast recorded for `kmix.wrap` about the model's variables.
 
     >>> with Preserved(model, saved="non-trainable") as kept:
@@ -43,8 +44,9 @@ class Preserved:
 
     `saved`: the variables whose values are kept to restore: `"all"`,
     `"non-trainable"` (for a caller whose optimizer leaves the trainable ones
-    still: `kmix.recommend`) or `"none"` (for a caller that changes none:
-    `kmix.export`). Every variable's digest is checked on exit either way.
+    still: `kmix.recommend`; every variable's digest is checked on exit) or
+    `"none"` (for a caller that changes no variable, `kmix.export`: the
+    variables are neither read nor checked).
     """
 
     SAVED = ("all", "non-trainable", "none")
@@ -58,7 +60,7 @@ class Preserved:
 
     def __enter__(self):
         self._objects = [(obj, type(obj), dict(vars(obj))) for obj in _objects(self.model)]
-        self._variables = list(self.model.variables)
+        self._variables = list(self.model.variables) if self._saved != "none" else []
         self._records = advice.snapshot(self.model.variables)
         trainable = {id(v) for v in self.model.trainable_variables}
         self._dir = tempfile.mkdtemp(prefix="kmix-preserved-")
