@@ -334,6 +334,7 @@ def _bert_on_two_replicas(steps_per_execution):
     return model.get_weights() + state, history.history["loss"], loop
 
 
+@full_only("Keras's own steps_per_execution under MirroredStrategy, about 22 s on 2 cores")
 def test_steps_per_execution_under_mirrored_strategy():
     # Keras's own loop fails here only with collective all-reduces (MirroredStrategy's default
     # on CPUs, MultiWorkerMirroredStrategy's always), which repeat keys across the strategies

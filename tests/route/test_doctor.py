@@ -9,6 +9,7 @@ import tensorflow as tf
 import kmix
 from kmix.route import doctor, onednn, timing
 from kmix.route.recommendation import Recommendation
+from tests.testing import full_only
 
 
 def _recommendation(policy="O1-bfloat16", jit=True):
@@ -125,6 +126,7 @@ def test_onednn_lines_say_whether_to_set_it_and_how():
     assert "oneDNN      off" in report and "export TF_ENABLE_ONEDNN_OPTS=1" in report
 
 
+@full_only("two worker processes, about 20 s on 2 cores")
 def test_onednn_comparison_runs_two_workers_interleaved():
     """Both settings for real, on a small step: each worker's TensorFlow has oneDNN as it was asked."""
     result = onednn.compare(shape=(64, 32, 64), rounds=2)
