@@ -31,6 +31,7 @@ interleaved over the same variables.
 import os
 import shutil
 import tempfile
+import warnings
 
 import numpy as np
 
@@ -104,11 +105,13 @@ class Preserved:
             advice.restore(self._records)
         finally:
             shutil.rmtree(self._dir, ignore_errors=True)
-        if lost and exc[0] is None:
-            raise RuntimeError(
-                f"{len(lost)} variables of model {self.model.name!r} changed where kmix kept no copy of them "
-                f"(it kept {self._saved!r}): {lost[:8]}. This is a kmix bug: please report it with the model."
-            )
+        if lost:
+            message = (f"{len(lost)} variables of model {self.model.name!r} changed where kmix kept no copy of "
+                       f"them (it kept {self._saved!r}): {lost[:8]}. This is a kmix bug: please report it with "
+                       "the model.")
+            if exc[0] is None:
+                raise RuntimeError(message)
+            warnings.warn(message, stacklevel=2)  # the error in flight stays the one raised
         return False
 
 
