@@ -1,4 +1,4 @@
-"""The check before `kmix.export` writes: the half model against the float32 one, on a sample.
+"""The check of `kmix.export`'s artifact: its outputs read back against the float32 model's, on a sample.
 
 The sample is the user's (arrays, tensors, lists / dicts of them, or a
 `tf.data.Dataset`'s first batch) or drawn from the model's input specs:
