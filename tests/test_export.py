@@ -78,6 +78,31 @@ def test_functional_savedmodel_half_weights_float32_in_and_out(tmp_path):
     assert report.weight_bytes <= 0.51 * report.float32_weight_bytes
 
 
+def test_a_functional_graph_with_keras_ops_nodes_is_served_from_the_half_weights_written(tmp_path):
+    """`keras.ops` nodes between layers (a shift, a mean, a reshape): the artifact predicts as float32
+    within bfloat16's rounding, and the weights it stores are the model's rounded to bfloat16 bit for bit."""
+    keras.utils.set_random_seed(0)
+    x_in = keras.Input((8, 16), name="features")
+    h = keras.layers.Dense(32, name="proj")(x_in)
+    h = keras.ops.relu(h + 3.0)
+    h = keras.ops.mean(h, axis=1)
+    h = keras.ops.reshape(h, (-1, 4, 8))
+    h = keras.layers.LayerNormalization(name="norm")(h)
+    model = keras.Model(x_in, keras.layers.Dense(5, name="out")(keras.layers.Flatten()(h)))
+    x = inputs((16, 8, 16))
+    expected = model.predict(x, verbose=0)
+    path = str(tmp_path / "ops")
+    report = export(model, path, sample=x, verbose=False)
+    got = served(path)(x).numpy()
+    np.testing.assert_allclose(got, expected, atol=BF16_RTOL * np.abs(expected).max())
+    assert report.max_abs_diff == pytest.approx(np.abs(got - expected).max(), rel=1e-3, abs=1e-7)
+
+    stored = {v.name.split(":")[0]: v.numpy() for v in tf.saved_model.load(path).weights}
+    for variable in model.get_layer("proj").weights:  # a half layer's weights, rounded once
+        want = tf.cast(variable.value, tf.bfloat16).numpy()
+        np.testing.assert_array_equal(stored[variable.path.replace("/", "_")], want)
+
+
 def test_sequential_to_keras_file_reloads_as_written(tmp_path):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([
