@@ -52,7 +52,7 @@ class Comparison:
     def __init__(self, reference, half):
         ref = [np.asarray(t, np.float32) for t in keras.tree.flatten(reference)]
         got = [np.asarray(tf.cast(t, tf.float32)) for t in keras.tree.flatten(half)]
-        self.float32_finite = all(np.all(np.isfinite(r)) for r in ref)
+        self.float32_finite = all_finite(ref)
         self.finite = all(np.all(np.isfinite(g) | ~np.isfinite(r)) for r, g in zip(ref, got))
         diffs = [np.abs(g - r)[np.isfinite(r) & np.isfinite(g)] for r, g in zip(ref, got)]
         self.max_abs_diff = max((float(d.max()) for d in diffs if d.size), default=0.0)
@@ -60,6 +60,11 @@ class Comparison:
         self.top1_agreement = None
         if len(ref) == 1 and ref[0].ndim >= 2 and ref[0].shape[-1] >= 2:
             self.top1_agreement = float(np.mean(ref[0].argmax(-1) == got[0].argmax(-1)))
+
+
+def all_finite(outputs):
+    """Whether every value of `outputs` (a tensor, an array, or a structure of them) is finite."""
+    return all(np.all(np.isfinite(np.asarray(t, np.float32))) for t in keras.tree.flatten(outputs))
 
 
 def sample_inputs(model, sample):

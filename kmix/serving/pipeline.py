@@ -25,7 +25,6 @@ import time
 import warnings
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from kmix._output import progress
@@ -240,7 +239,7 @@ def _float32_outputs(model, x, kept):
 
 def _check_float32_finite(expected, model):
     """Refuses a sample on which the float32 model's outputs are not finite: nothing to check against."""
-    if not all(np.all(np.isfinite(np.asarray(t, np.float32))) for t in keras.tree.flatten(expected)):
+    if not check.all_finite(expected):
         raise ValueError(
             f"`sample` gives non-finite outputs in float32 already (model {model.name!r}): there is nothing to "
             "check the half model against. Pass inputs the model was trained on."
