@@ -34,6 +34,7 @@ from kmix._compat.optimizer import (
     take_gradients_as_reduced,
     weight_decay_applies,
 )
+from kmix._compat.objects import object_state, restore_object_state
 from kmix._compat.runtime import onednn_enabled, xplane_proto
 from kmix._compat.stateless import stateless
 from kmix._compat.trainer import (
@@ -68,6 +69,8 @@ __all__ = [
     "model_distribute_strategy",
     "no_automatic_dependency_tracking",
     "node_call",
+    "object_state",
+    "restore_object_state",
     "node_inputs",
     "onednn_enabled",
     "optimizer_variable_key",

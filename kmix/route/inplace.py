@@ -60,7 +60,7 @@ class Preserved:
         self._dir = None
 
     def __enter__(self):
-        self._objects = [(obj, type(obj), dict(vars(obj))) for obj in _objects(self.model)]
+        self._objects = [(obj, _compat.object_state(obj)) for obj in _objects(self.model)]
         self._variables = list(self.model.variables) if self._saved != "none" else []
         self._records = advice.snapshot(self.model.variables)
         trainable = {id(v) for v in self.model.trainable_variables}
@@ -79,13 +79,8 @@ class Preserved:
 
     def restore_layers(self):
         """Gives every layer, graph node and operation its class and attributes back."""
-        for obj, cls, attrs in self._objects:
-            if type(obj) is not cls:
-                obj.__class__ = cls
-            state = vars(obj)
-            if state != attrs:
-                state.clear()
-                state.update(attrs)
+        for obj, state in self._objects:
+            _compat.restore_object_state(obj, state)
 
     def changed_variables(self):
         """The variables whose value differs from the one on entry."""
@@ -126,6 +121,7 @@ def _objects(model):
 
     for layer in [model] + [row[1] for row in walk(model)]:
         add(layer)
+        add(layer.dtype_policy)  # a DTypePolicyMap is shared by a backbone's layers and changed in place
         if _compat.is_functional(layer):
             for node in _compat.graph_nodes(layer):
                 add(node)
