@@ -24,6 +24,7 @@ from kmix._compat.layers import (
 )
 from kmix._compat.optimizer import (
     adam_slots,
+    captured_handles,
     key_as,
     learning_rate_object,
     leave_weight_decay_of,
@@ -55,6 +56,7 @@ __all__ = [
     "adam_slots",
     "autoconvert_optionals",
     "built_input_shapes",
+    "captured_handles",
     "graph_nodes",
     "is_functional",
     "keras_make_function",

@@ -145,3 +145,14 @@ def leave_weight_decay_of(optimizer, keys):
         return original([v for v in variables if optimizer._var_key(v) not in keys])
 
     optimizer._apply_weight_decay = apply_weight_decay
+
+
+def captured_handles(graph):
+    """`(outside tensor, inside placeholder)` pairs of the resource tensors a traced function captured.
+
+    A skipped step puts back what the step's forward pass wrote
+    (kmix/optimizers/step_state.py): the variables are found by their
+    handles among the function graph's captures, which only `FuncGraph`
+    (not a public type) lists. Checked on TensorFlow 2.16-2.21.
+    """
+    return [(outside, inside) for outside, inside in graph.captures if inside.dtype == tf.resource]

@@ -44,8 +44,12 @@ def create_state(opt, var_list):
     opt._accumulated = [True] * len(var_list)
 
 
-def add_micro_batch(opt, finite, nonfinite, unscaled, variables, scale):
-    """Adds one micro-batch; on the k-th, applies the mean or skips the whole step."""
+def add_micro_batch(opt, finite, nonfinite, unscaled, variables, scale, written):
+    """Adds one micro-batch; on the k-th, applies the mean or skips the whole step.
+
+    `written`: what this micro-batch's forward pass wrote (`step_state.Written`);
+    a skipped window puts back their values from its first micro-batch.
+    """
     received = [False] * len(opt._model_variables)
     for g, v in zip(unscaled, variables):
         if g is None:
@@ -58,33 +62,39 @@ def add_micro_batch(opt, finite, nonfinite, unscaled, variables, scale):
     opt._accumulated = received
     window = tf.convert_to_tensor(opt._window_nonfinite) + nonfinite
     count = tf.convert_to_tensor(opt._micro_step) + 1
-    _finish(opt, count >= opt.accumulation_steps, window, count, scale)
+    start = opt._window_start(written).take(written, tf.equal(count, 1)) if len(written) else []
+
+    def restore(skipped):
+        written.restore(skipped, start)
+
+    _finish(opt, count >= opt.accumulation_steps, window, count, scale, restore)
 
 
 def flush(opt):
     """Applies what has been accumulated so far, divided by the micro-batches summed."""
     count = tf.convert_to_tensor(opt._micro_step)
-    _finish(opt, count > 0, tf.convert_to_tensor(opt._window_nonfinite), count, opt.loss_scale)
+    _finish(opt, count > 0, tf.convert_to_tensor(opt._window_nonfinite), count, opt.loss_scale,
+            restore=lambda skipped: None)  # outside any step: no forward pass wrote anything
 
 
-def _finish(opt, end, window, count, scale):
+def _finish(opt, end, window, count, scale, restore):
     divisor = tf.cast(tf.maximum(count, 1), tf.float32)
     if allreduce.reduces_here(opt.allreduce_dtype, tf.distribute.get_replica_context()):
         # One half-precision all-reduce per window, on every replica at once (`end` is the same).
-        replicas.run_if(end, _reduce_and_apply, opt, window, divisor, scale)
+        replicas.run_if(end, _reduce_and_apply, opt, window, divisor, scale, restore)
     else:
         clean = tf.equal(tf.reduce_sum(window), 0.0)
         means = [acc / divisor if on else None for acc, on in zip(opt._accumulators, opt._accumulated)]
         opt._apply_if(tf.logical_and(end, clean), means, opt._model_variables)
         counters.record_step(opt, clean, window, scale, active=end)
-        opt._settle_state(tf.logical_and(end, clean), tf.logical_and(end, tf.logical_not(clean)))
+        restore(tf.logical_and(end, tf.logical_not(clean)))
     for acc in opt._accumulators:
         acc.assign(tf.where(end, tf.zeros_like(acc), acc))
     opt._micro_step.assign(tf.where(end, tf.zeros_like(count), count))
     opt._window_nonfinite.assign(tf.where(end, tf.zeros_like(window), window))
 
 
-def _reduce_and_apply(opt, window, divisor, scale):
+def _reduce_and_apply(opt, window, divisor, scale, restore):
     """Reduces the window's scaled means in `allreduce_dtype`, checks the sums, applies or skips.
 
     `window` holds this replica's own overflows only: where it saw one, it
@@ -96,5 +106,5 @@ def _reduce_and_apply(opt, window, divisor, scale):
     nonfinite = counters.nonfinite(opt, sums, opt._model_variables)
     finite = tf.equal(tf.reduce_sum(nonfinite), 0.0)
     opt._apply_if(finite, [None if s is None else s / scale for s in sums], opt._model_variables)
-    opt._settle_state(finite, tf.logical_not(finite))
+    restore(tf.logical_not(finite))
     counters.record_step(opt, finite, nonfinite, scale)

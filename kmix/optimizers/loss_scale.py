@@ -2,6 +2,8 @@
 
 import contextlib
 import functools
+import types
+import weakref
 
 import keras
 import tensorflow as tf
@@ -10,7 +12,7 @@ from kmix._compat import model_building, no_automatic_dependency_tracking, optim
 from kmix._compat import take_gradients_as_reduced
 from kmix.optimizers import accumulation, allreduce, arguments, counters, follow_model, fused_adam, kahan
 from kmix.optimizers import master_weights as mw
-from kmix.optimizers import nontrainable, replicas, scaled_check
+from kmix.optimizers import replicas, scaled_check, step_state
 from kmix.optimizers.scaled_check import unscale
 
 
@@ -73,9 +75,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             per variable and step that keeps the sums in range), checks the
             sums (an inf on any replica skips the step everywhere) and applies
             in float32. See `kmix.optimizers.allreduce`.
-        restore_on_skip: True (the default): a skipped step also leaves the
-            model's non-trainable variables (batch-norm statistics, seed
-            states) as the last applied step left them; see `track`. False:
+        restore_on_skip: True (the default): a skipped step also puts back
+            what its forward pass wrote (batch-norm statistics, seed states),
+            found in the traced step (`kmix.optimizers.step_state`). False:
             they keep what the skipped step wrote (Keras's behaviour).
         fused_update: True (the default): `keras.optimizers.Adam` / `AdamW`
             (without `amsgrad`) update dense float32 variables on TensorFlow's
@@ -119,8 +121,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             fused_adam.install(inner_optimizer)
         else:
             fused_adam.remove(inner_optimizer)
-        self._state_guard = None
-        self._tracked_model = None
+        self._tracked = None  # what `track` was given: a weak reference to a model, or a tuple of variables
+        self._window_starts = {}  # under accumulation: step_state.WindowStart by the written variables' specs
 
     @no_automatic_dependency_tracking
     def build(self, var_list):
@@ -128,10 +130,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if self.built:
             return
         var_list = list(var_list)
-        model = (self._tracked_model() if self._tracked_model else None) or model_building(self)
-        follow_model.follow(self, var_list, model)
-        if model is not None and self._state_guard is None:
-            self.track(model)
+        follow_model.follow(self, var_list, self._tracked_model() or model_building(self))
         self._variable_paths = [_variable_path(v) for v in var_list]
         self._model_variables = var_list
         self._masters, self._kahan = mw.create_for(self, self._master_weights_request, var_list)
@@ -221,7 +220,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         variables exist. The mark tells `apply` / `apply_gradients` in the same
         step that their gradients are scaled (`kmix.optimizers.scaled_check`).
         """
-        scaled_check.mark_scaled(self)
+        scaled_check.mark_scaled(self, loss)
         return keras.ops.multiply(loss, self.dynamic_scale if self.built else follow_model.planned_scale(self))
 
     def get_scaled_loss(self, loss):
@@ -251,8 +250,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             The optimizer's `iterations`.
         """
         grads, variables = zip(*grads_and_vars)
+        loss = scaled_check.step_loss(self)
         scaled = scaled_check.decide(self, grads, variables, scaled, "apply_gradients")
-        return self._apply_checked(grads, variables, scaled)
+        return self._apply_checked(grads, variables, scaled, loss)
 
     def apply(self, grads, trainable_variables=None, scaled=None):
         """Applies `grads` once, or skips the step if any is non-finite.
@@ -281,8 +281,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             >>> opt.apply(grads, variables, scaled=False)      # scaled=False: said, not inferred
         """
         grads = list(grads)
+        loss = scaled_check.step_loss(self)
         scaled = scaled_check.decide(self, grads, trainable_variables, scaled, "apply")
-        return self._apply_checked(grads, trainable_variables, scaled)
+        return self._apply_checked(grads, trainable_variables, scaled, loss)
 
     def flush(self):
         """Applies a partial accumulation (fewer than `accumulation_steps` micro-batches).
@@ -299,30 +300,48 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         accumulation.flush(self)
 
     def track(self, model):
-        """Guards `model`'s non-trainable variables: a skipped step restores them.
+        """Restricts what a skipped step puts back to `model`'s variables, and tells `wrap` the model.
 
-        `model.fit` does this by itself. A custom loop, or a `train_step`
-        whose optimizers are not `model.optimizer` (a GAN's two), calls it
-        once before the first step, with the (sub-)model whose forward pass
-        runs in the steps this optimizer decides; again after `set_weights`
-        (the current values become the committed state). A no-op with
-        `restore_on_skip=False`.
+        A skipped step puts back whatever the traced step's forward pass wrote
+        (`kmix.optimizers.step_state`), found in the step itself: `fit` and
+        custom loops need nothing. A `train_step` with two optimizers (a GAN)
+        calls `track(sub_model)` on each, so that neither puts back the
+        other's forward pass. Loaded or set weights need no call.
 
         Args:
-            model: a `keras.Model` or layer (its `non_trainable_variables`),
-                or a list of variables.
+            model: a `keras.Model` or layer, or a list of variables.
 
         Returns:
             The optimizer.
 
         Example:
-            >>> opt = kmix.wrap(keras.optimizers.Adam(1e-3)).track(model)
+            >>> g_opt = kmix.wrap(keras.optimizers.Adam(1e-3)).track(generator)
         """
-        nontrainable.guard(self, model)
+        variables = step_state.variables_of(model)
+        if isinstance(model, keras.Model):
+            # A weak reference: saving walks the optimizer's attributes, and the model holds the optimizer.
+            self._tracked = weakref.ref(model)
+        else:
+            self._tracked = types.SimpleNamespace(variables=tuple(variables))  # not tracked for saving
         return self
 
+    def _tracked_model(self):
+        return self._tracked() if isinstance(self._tracked, weakref.ref) else None
+
+    def _written(self, loss):
+        """What this traced step's forward pass wrote (empty with `restore_on_skip=False` or eagerly)."""
+        if not self.restore_on_skip:
+            return step_state.Written.nothing()
+        only = getattr(self._tracked, "variables", None)
+        if isinstance(self._tracked, weakref.ref):
+            model = self._tracked()
+            only = None if model is None else model.non_trainable_variables
+        written = step_state.Written(self._model_variables, loss, only)
+        self._written_in_last_trace = len(written)  # how many variables a skipped step puts back (tests, debugging)
+        return written
+
     # ------------------------------------------------------------ one step
-    def _apply_checked(self, grads, trainable_variables, scaled):
+    def _apply_checked(self, grads, trainable_variables, scaled, loss=None):
         """Reduce, check, unscale and apply (or skip), update the scale: the body of `apply`."""
         grads = list(grads)
         if not self.built:
@@ -352,22 +371,26 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             g if g is None or getattr(v, "overwrite_with_gradient", False) else unscale(g, divisor)
             for g, v in zip(grads, variables)
         ]
+        written = self._written(loss)
         if self.accumulation_steps == 1:
             self._apply_if(finite, unscaled, variables)
-            self._settle_state(finite, tf.logical_not(finite))
+            written.restore(tf.logical_not(finite))
+            step_state.warn_eager_skip(self, tf.logical_not(finite))
             counters.record_step(self, finite, nonfinite, scale)
         else:
-            accumulation.add_micro_batch(self, finite, nonfinite, unscaled, variables, scale)
+            accumulation.add_micro_batch(self, finite, nonfinite, unscaled, variables, scale, written)
         return self.iterations
 
     def _apply_if(self, finite, unscaled, variables):
         """Runs the inner optimizer on already unscaled gradients where `finite` holds (on masters if any)."""
         replicas.run_if(finite, functools.partial(mw.apply_inner, self), unscaled, variables)
 
-    def _settle_state(self, applied, skipped):
-        """Commits the guarded non-trainable state where `applied`, restores it where `skipped`."""
-        if self._state_guard:
-            self._state_guard.settle(applied, skipped)
+    def _window_start(self, written):
+        """The variables holding the written state's values from the window's first micro-batch."""
+        key = tuple((tuple(old.shape), old.dtype.name) for old in written.before)
+        if key not in self._window_starts:
+            self._window_starts[key] = step_state.WindowStart(written)
+        return self._window_starts[key]
 
     def finalize_variable_values(self, var_list):
         """Applies a pending partial accumulation, then lets the inner optimizer finalize (EMA)."""

@@ -58,6 +58,7 @@ class _Marks:
 
     def __init__(self):
         self.scaled_loss = False
+        self.loss = None  # a weak reference to the loss `scale_loss` received, in a traced step
         self.unscaled = {}  # id(tensor) -> weak reference: what get_unscaled_gradients returned
         self.scaled = {}  # id(tensor) -> weak reference: what it was given
 
@@ -82,9 +83,18 @@ def _marks(optimizer):
     return _STEPS.setdefault(optimizer, {}).setdefault(key, _Marks())
 
 
-def mark_scaled(optimizer):
-    """Records that `optimizer.scale_loss` ran in this step."""
-    _marks(optimizer).scaled_loss = True
+def mark_scaled(optimizer, loss=None):
+    """Records that `optimizer.scale_loss` ran in this step, and (traced) on which loss."""
+    marks = _marks(optimizer)
+    marks.scaled_loss = True
+    if tf.inside_function() and isinstance(loss, tf.Tensor) and not isinstance(loss, tf.Variable):
+        marks.loss = weakref.ref(loss)
+
+
+def step_loss(optimizer):
+    """The loss this traced step scaled, or None (eagerly, or when it scaled none)."""
+    marks = _STEPS.get(optimizer, {}).get((_trace_key(), threading.get_ident()))
+    return None if marks is None or marks.loss is None else marks.loss()
 
 
 def mark_unscaled(optimizer, scaled_grads, unscaled_grads):

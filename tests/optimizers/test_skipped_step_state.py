@@ -107,14 +107,59 @@ def test_without_restore_the_skipped_forward_pass_leaves_inf_statistics():
     assert kmix.LossScaleOptimizer.from_config(opt.get_config()).restore_on_skip is False
 
 
-def test_track_takes_current_values_and_rejects_other_things():
+def test_a_skipped_step_after_a_reload_goes_back_to_the_loaded_statistics(tmp_path):
+    """Weights loaded between steps (load_weights with a built optimizer) are what a skipped step keeps."""
+    keras.config.set_dtype_policy("mixed_float16")
     model = build()
+    opt = make_optimizer()
+    model.compile(optimizer=opt, loss="mse")
+    good = batches(with_bad=False)
+    model.fit(good[0][0], good[0][1], batch_size=8, verbose=0)
+    model.save_weights(str(tmp_path / "w.weights.h5"))
+    saved = [np.array(w) for w in model.get_weights()]
+    model.fit(good[1][0], good[1][1], batch_size=8, verbose=0)  # moves the statistics on
+    model.load_weights(str(tmp_path / "w.weights.h5"))  # ... and back
+    bad = np.full((8, 4), 1e5, np.float32)
+    model.fit(bad, np.zeros((8, 1), np.float32), batch_size=8, verbose=0)
+    assert int(opt.skipped_steps) == 1
+    for a, b in zip(saved, model.get_weights()):
+        np.testing.assert_array_equal(b, a)  # the moving mean and variance too
+
+
+def test_only_what_the_forward_pass_writes_is_restored():
+    """A frozen base (here: a frozen Dense and a frozen BatchNormalization in inference) costs nothing."""
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    frozen = keras.layers.Dense(4)
+    frozen.trainable = False
+    model = keras.Sequential([keras.Input((4,)), frozen, keras.layers.BatchNormalization(),
+                              keras.layers.Dropout(0.1), keras.layers.Dense(1)])
+    opt = make_optimizer()
+    model.compile(optimizer=opt, loss="mse")
+    x, y = batches(with_bad=False)[0]
+    model.fit(x, y, batch_size=8, verbose=0)
+    # Written: the moving mean and variance and the dropout seed; not the frozen kernel and bias.
+    assert len(model.non_trainable_variables) == 5
+    assert opt._written_in_last_trace == 3
+
+
+def test_track_restricts_to_a_model_and_rejects_other_things():
+    """Two optimizers in one step (a GAN): each puts back only its own model's forward writes."""
+    keras.config.set_dtype_policy("mixed_float16")
+    model = build()
+    other = build()
     opt = make_optimizer().track(model)
-    bn = model.layers[1]
-    bn.moving_mean.assign(np.full(4, 3.0, np.float32))  # set behind the optimizer's back
-    opt.track(model)  # ... and adopted as the committed state
-    opt.build(model.trainable_variables)
-    opt._settle_state(tf.constant(False), tf.constant(True))  # a skipped step: restore
-    np.testing.assert_array_equal(bn.moving_mean.numpy(), np.full(4, 3.0, np.float32))
+    loss_fn = keras.losses.MeanSquaredError()
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            other(x, training=True)  # writes `other`'s statistics: not this optimizer's to restore
+            loss = opt.scale_loss(loss_fn(y, model(x, training=True)))
+        opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+    x, y = batches(with_bad=False)[0]
+    step(tf.constant(x), tf.constant(y))
+    assert opt._written_in_last_trace == 2
     with pytest.raises(TypeError, match=r"`track` takes a keras.Model.*Received: 'model'"):
         opt.track("model")
