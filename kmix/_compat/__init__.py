@@ -36,7 +36,7 @@ from kmix._compat.optimizer import (
     weight_decay_applies,
 )
 from kmix._compat.objects import object_state, restore_object_state
-from kmix._compat.runtime import onednn_enabled, xplane_proto
+from kmix._compat.runtime import onednn_enabled, releases_custom_gradients, releasing_custom_gradients, xplane_proto
 from kmix._compat.stateless import stateless
 from kmix._compat.trainer import (
     autoconvert_optionals,
@@ -75,6 +75,8 @@ __all__ = [
     "restore_object_state",
     "node_inputs",
     "onednn_enabled",
+    "releases_custom_gradients",
+    "releasing_custom_gradients",
     "optimizer_variable_key",
     "producer",
     "recast_variable",

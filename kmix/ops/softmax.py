@@ -215,28 +215,18 @@ def _fused_softmax(x, keep, axis):
     `exp(lowest - max)` is exactly 0. NaN stays NaN: `maximum` and
     `reduce_max` propagate it, and `row_max <= lowest` is False for it.
 
-    The gradient is the softmax's own, `p * (g - sum(g * p))`, taken with
-    the zeroed `p`: 0 at masked positions and on rows with nothing kept,
-    without the selects that differentiating the `where`s would add. The
-    attention softmax is the largest tensor of a transformer's step, and
-    every pass over it shows in the step time (docs/benchmarks.md).
+    The gradient is TensorFlow's own, through the selects: 0 at masked
+    positions (their probability is exactly 0) and on rows with nothing kept
+    (the last select). No `tf.custom_gradient`: in a traced function it
+    registers a gradient in TensorFlow's global registry on every trace,
+    which keeps the traced graph alive for the life of the process (every
+    `predict`, `fit` and export trace of an attention model held its graph).
     """
     lowest = tf.constant(x.dtype.min, x.dtype)
-
-    @tf.custom_gradient
-    def softmax(logits):
-        if keep is not None:
-            logits = tf.where(keep, logits, lowest)
-        logits = tf.maximum(logits, lowest)
-        row_max = tf.reduce_max(logits, axis=axis, keepdims=True)
-        probs = tf.where(row_max <= lowest, tf.zeros([], x.dtype), tf.nn.softmax(logits, axis=axis))
-
-        def grad(upstream):
-            return probs * (upstream - tf.reduce_sum(upstream * probs, axis=axis, keepdims=True))
-
-        return probs, grad
-
-    return softmax(x)
+    logits = x if keep is None else tf.where(keep, x, lowest)
+    logits = tf.maximum(logits, lowest)
+    row_max = tf.reduce_max(logits, axis=axis, keepdims=True)
+    return tf.where(row_max <= lowest, tf.zeros([], x.dtype), tf.nn.softmax(logits, axis=axis))
 
 
 def _softmax_rows_from_mask(x, keep, axis, out_dtype):

@@ -23,6 +23,7 @@ import warnings
 import keras
 import numpy as np
 
+from kmix import _compat
 from kmix.diagnose import islands
 from kmix.placing import place, reload, repair, settle, trace
 from kmix.optimizers.late import warn_if_unscaled
@@ -59,6 +60,7 @@ class AutocastTable(list):
         return [row.layer for row in self if row.before != row.after or "->" in row.cls]
 
 
+@_compat.releases_custom_gradients
 def autocast(model, policy="O1", float32_layers=None, verbose=False, return_table=False, sample=None,
              copy=False):
     """Places each layer of `model` by precision, in place (half matmuls, float32 islands); returns `model`.
