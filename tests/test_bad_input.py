@@ -7,6 +7,9 @@ policy, kmix's active policy, the model's and optimizer's variables) and
 checks it is unchanged afterwards.
 """
 
+import os
+import tempfile
+
 import numpy as np
 import pytest
 
@@ -137,6 +140,17 @@ CASES = [
     ("Softmax autocast str", lambda m, o: kmix.layers.Softmax(autocast="no"), TypeError, ["autocast='no'"]),
     ("memory_report slot count nan", lambda m, o: kmix.memory_report(m, "O1", optimizer=float("nan")), ValueError, ["optimizer=nan"]),
     ("Scaled factor str", lambda m, o: kmix.schedules.Scaled(keras.optimizers.schedules.ExponentialDecay(1e-3, 10, 0.9), "x"), TypeError, ["factor='x'"]),
+    # Issue 48 item 7: refused at the call, not inside `fit` or as a conversion error.
+    ("wrap growth_interval beyond int64", lambda m, o: kmix.wrap("sgd", growth_interval=10**20), ValueError, ["growth_interval=100000000000000000000", "2**63 - 1"]),
+    ("wrap dynamic_growth_steps beyond int64", lambda m, o: kmix.wrap("sgd", dynamic_growth_steps=2**63), ValueError, ["dynamic_growth_steps=9223372036854775808", "int64"]),
+    ("wrap hysteresis beyond int64", lambda m, o: kmix.wrap("sgd", hysteresis=10**20), ValueError, ["hysteresis=100000000000000000000"]),
+    ("wrap accumulation_steps beyond int64", lambda m, o: kmix.wrap("sgd", accumulation_steps=10**20), ValueError, ["accumulation_steps=100000000000000000000"]),
+    ("wrap fixed initial_scale above max_scale", lambda m, o: kmix.wrap("sgd", initial_scale=2.0**30), ValueError, ["initial_scale=1073741824.0", "max_scale=16777216.0"]),
+    ("memory_report nan", lambda m, o: kmix.memory_report(float("nan")), ValueError, ["`model`", "model=nan", "finite"]),
+    ("memory_report inf", lambda m, o: kmix.memory_report(float("inf")), ValueError, ["`model`", "model=inf"]),
+    ("memory_report bytes overflow", lambda m, o: kmix.memory_report(1e308), ValueError, ["model=1e+308"]),
+    ("export bool sample", lambda m, o: kmix.export(m, os.path.join(tempfile.mkdtemp(), "a"), sample=np.ones((2, 3), bool), verbose=False), ValueError, ["`sample` must hold real numbers", "sample of dtype bool"]),
+    ("export overwrite str", lambda m, o: kmix.export(m, os.path.join(tempfile.mkdtemp(), "a"), overwrite="yes"), TypeError, ["overwrite='yes'"]),
 ]
 
 
@@ -223,3 +237,33 @@ def test_autocast_names_policy_and_float32_layers():
         kmix.autocast(model, 16)
     with pytest.raises(TypeError, match=r"`float32_layers` must be a list .*Received: float32_layers=3 \(of type int\)"):
         kmix.autocast(model, "O1", float32_layers=3)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
+def test_an_initial_scale_above_max_scale_is_refused_under_every_policy(policy):
+    """One answer whatever the policy: before, a fixed scale above the cap was taken outside float16 and
+    became a dynamic scale above `max_scale` once a float16 model built the optimizer."""
+    with kmix.policy_scope(policy):
+        for dynamic in ({}, {"dynamic": True}, {"dynamic": False}):
+            with pytest.raises(ValueError, match=r"`initial_scale` must .*max_scale.*Received: initial_scale=1073741824"):
+                kmix.wrap("sgd", initial_scale=2.0**30, **dynamic)
+        opt = kmix.wrap("sgd", initial_scale=2.0**30, max_scale=2.0**31)
+    with kmix.policy_scope("mixed_float16"):
+        model = _model()
+    opt.build(model.trainable_variables)  # float16 layers: a fixed scale from the policy becomes dynamic
+    assert float(opt.dynamic_scale) == 2.0**30 <= opt.max_scale == 2.0**31
+
+
+def test_the_largest_counts_train_as_plain_sgd():
+    """Counts up to 2**63 - 1 are taken and train: one step equals Keras's SGD step on the same model."""
+    x, y = np.random.default_rng(0).normal(size=(8, 3)).astype("float32"), np.ones((8, 1), "float32")
+    reference = _model()
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    reference.train_on_batch(x, y)
+    model = _model()
+    opt = kmix.wrap(keras.optimizers.SGD(0.1), growth_interval=2**63 - 1, hysteresis=2**63 - 1)
+    model.compile(optimizer=opt, loss="mse")
+    model.train_on_batch(x, y)
+    for a, b in zip(reference.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert int(opt.current_growth_interval) == 2**63 - 1

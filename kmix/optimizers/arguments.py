@@ -10,6 +10,8 @@ from kmix import _checks as checks
 from kmix.optimizers import allreduce, kahan
 from kmix.optimizers import master_weights as mw
 
+_INT64_MAX = 2**63 - 1  # the counters the step counts are compared with are int64 variables
+
 
 def check(inner_optimizer, initial_scale, growth_interval, growth_factor, backoff_factor, hysteresis,
           min_scale, max_scale, dynamic, master_weights, accumulation_steps, dynamic_growth_steps,
@@ -28,15 +30,15 @@ def check(inner_optimizer, initial_scale, growth_interval, growth_factor, backof
                 f"one. Received: growth_interval={growth_interval!r}, "
                 f"dynamic_growth_steps={dynamic_growth_steps!r}"
             )
-        growth_interval = checks.integer("dynamic_growth_steps", dynamic_growth_steps)
+        growth_interval = _count("dynamic_growth_steps", dynamic_growth_steps)
     check_inner(inner_optimizer)
     initial_scale = checks.real("initial_scale", initial_scale, low=0.0, low_open=True)
-    growth_interval = checks.integer("growth_interval", growth_interval)
+    growth_interval = _count("growth_interval", growth_interval)
     growth_factor = checks.real("growth_factor", growth_factor, low=1.0, low_open=True)
     backoff_factor = checks.real(
         "backoff_factor", backoff_factor, low=0.0, high=1.0, low_open=True, high_open=True
     )
-    hysteresis = checks.integer("hysteresis", hysteresis)
+    hysteresis = _count("hysteresis", hysteresis)
     min_scale = checks.real("min_scale", min_scale, low=0.0, low_open=True)
     max_scale = checks.real("max_scale", max_scale, low=0.0, low_open=True, allow_inf=True)
     if min_scale > max_scale:
@@ -51,6 +53,11 @@ def check(inner_optimizer, initial_scale, growth_interval, growth_factor, backof
             "`initial_scale` must lie within [min_scale, max_scale]. Received: "
             f"initial_scale={initial_scale!r}, min_scale={min_scale!r}, max_scale={max_scale!r}"
         )
+    if initial_scale > max_scale:  # a fixed scale too: `kmix.wrap` makes it dynamic for a float16 model
+        raise ValueError(
+            "`initial_scale` must be <= `max_scale`, the cap of the loss scale, fixed or dynamic. Received: "
+            f"initial_scale={initial_scale!r}, max_scale={max_scale!r}. Pass a larger `max_scale` as well."
+        )
     if master_weights == "auto":
         master_weights = mw.auto_master_weights()
     elif master_weights == "kahan":
@@ -60,7 +67,7 @@ def check(inner_optimizer, initial_scale, growth_interval, growth_factor, backof
             "`master_weights` must be 'auto', True, False or 'kahan'. "
             f"Received: master_weights={master_weights!r}"
         )
-    accumulation_steps = checks.integer("accumulation_steps", accumulation_steps)
+    accumulation_steps = _count("accumulation_steps", accumulation_steps)
     allreduce_dtype = allreduce.check_dtype(allreduce_dtype)
     inner_steps = getattr(inner_optimizer, "gradient_accumulation_steps", None)
     if inner_steps:
@@ -73,6 +80,17 @@ def check(inner_optimizer, initial_scale, growth_interval, growth_factor, backof
         )
     return (initial_scale, growth_interval, growth_factor, backoff_factor, hysteresis, min_scale, max_scale,
             dynamic, master_weights, accumulation_steps, allreduce_dtype)
+
+
+def _count(name, value):
+    """`value` as an int in [1, 2**63 - 1]: a step count held in, or compared with, an int64 variable."""
+    value = checks.integer(name, value)
+    if value > _INT64_MAX:
+        raise ValueError(
+            f"`{name}` must be an int in [1, 2**63 - 1]: it is counted in an int64 variable. "
+            f"Received: {name}={value!r}"
+        )
+    return value
 
 
 def check_inner(inner):

@@ -16,6 +16,7 @@ float32 masters and Adam (s = 2) take 16 + 32 + 16 + 64 = 128 GB before
 activations; with `"kahan"` 16 + 16 + 16 + 64 = 112 GB.
 """
 
+import math
 import numbers
 
 import keras
@@ -149,6 +150,11 @@ def memory_report(model, policy=_OPT_LEVELS, optimizer="adam", batch_size=None, 
             if activation_elements is None
             else activation_elements * _BYTES[p.compute_dtype],
         }
+        if not all(v is None or math.isfinite(v) for v in row.values()):
+            raise ValueError(
+                "`model` and `optimizer` give more bytes than a float can count. Received: "
+                f"model={model!r}, optimizer={optimizer!r}; accepted: counts whose bytes stay below 1.8e308."
+            )
         row = {k: (int(round(v)) if v is not None else None) for k, v in row.items()}
         row["total"] = sum(v for v in row.values() if v is not None)
         rows[p.name] = row
@@ -161,9 +167,13 @@ def memory_report(model, policy=_OPT_LEVELS, optimizer="adam", batch_size=None, 
 def _count(model, batch_size):
     """`(trainable, non_trainable, activation elements or None)`."""
     if isinstance(model, numbers.Real) and not isinstance(model, bool):
-        if model < 0:
-            raise ValueError(f"A parameter count must be >= 0. Received: model={model!r}.")
-        return float(model), 0.0, None
+        count = float(model) if not isinstance(model, numbers.Integral) or abs(model) < 2**1000 else math.inf
+        if not 0 <= count < math.inf:  # NaN fails both
+            raise ValueError(
+                "`model` must be a keras.Model (or layer) or a number of parameters, finite and >= 0. "
+                f"Received: model={model!r}."
+            )
+        return count, 0.0, None
     if not isinstance(model, keras.layers.Layer):
         raise TypeError(
             "`model` must be a keras.Model (or layer) or a number of parameters. "
@@ -238,7 +248,10 @@ def _slots_per_param(optimizer):
         return 0
     if isinstance(optimizer, numbers.Real) and not isinstance(optimizer, bool):
         if not optimizer >= 0 or optimizer == float("inf"):  # NaN fails `>=`
-            raise ValueError(f"A slot count must be a finite number >= 0. Received: optimizer={optimizer!r}.")
+            raise ValueError(
+                "`optimizer` must be a Keras optimizer, a name, a config dict, None, or a number of slots per "
+                f"parameter, finite and >= 0. Received: optimizer={optimizer!r}."
+            )
         return optimizer
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer

@@ -1,7 +1,8 @@
 """Serving: `kmix.export` writes a half-precision artifact, checked against float32 before it is kept."""
 
 from kmix.serving.check import Comparison, NotFiniteError
-from kmix.serving.pipeline import ExportReport, export
+from kmix.serving.pipeline import export
+from kmix.serving.report import ExportReport
 from kmix.serving.storage import HalfStoragePolicy
 
 __all__ = ["Comparison", "ExportReport", "HalfStoragePolicy", "NotFiniteError", "export"]

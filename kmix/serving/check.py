@@ -111,12 +111,14 @@ def sample_inputs(model, sample):
 def _as_input_dtypes(model, sample):
     """`sample` with each integer input in the dtype the model's input takes (int64 ids for an int32 input).
 
-    The served signature takes the model's input dtypes; integers that do not
-    fit it, or floats for an integer input, are refused naming `sample`.
+    The served signature takes the model's input dtypes: integers that do not
+    fit an integer input, floats for one, anything but real numbers for a
+    floating input (bool, complex, strings) and anything but bools for a bool
+    input are refused naming `sample`.
     """
     specs = input_specs(model)
     if specs is None:
-        return sample
+        return sample  # the signature is the sample's own
     leaves, wanted = keras.tree.flatten(sample), keras.tree.flatten(specs)
     if len(leaves) != len(wanted):
         return sample  # the structure is checked where the model runs on it
@@ -133,8 +135,14 @@ def _as_input_dtypes(model, sample):
                     f"(values {value.min() if value.size else ''} to {value.max() if value.size else ''})."
                 )
             leaf = value.astype(target)
-        elif spec.dtype.is_floating and np.issubdtype(value.dtype, np.integer):
+        elif spec.dtype.is_floating and value.dtype.kind in "iu":
             leaf = value.astype(np.float32)
+        elif (spec.dtype.is_floating and value.dtype.kind != "f") or (spec.dtype.is_bool and value.dtype.kind != "b"):
+            accepted = "real numbers (a float or integer array)" if spec.dtype.is_floating else "bool values"
+            raise ValueError(
+                f"`sample` must hold {accepted} where model {model.name!r} takes {spec.dtype.name} inputs. "
+                f"Received: sample of dtype {value.dtype.name}, shape {value.shape}."
+            )
         converted.append(leaf)
     return keras.tree.pack_sequence_as(sample, converted)
 

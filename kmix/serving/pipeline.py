@@ -15,74 +15,32 @@ One pipeline, read top to bottom in `export`:
    placed copy's; then its outputs against the float32 model's on a
    sample, the figures reported. Non-finite outputs are refused with the
    layers `kmix.diagnose` finds overflowing; an artifact that fails is
-   removed, one that passes moved to the path. The model is put back.
+   removed, one that passes moved to the path (`destination`: only the
+   artifact's own files, the old artifact or the new one whole at the path
+   if interrupted). The model is put back.
 """
 
 import gc
-import os
-import shutil
 import time
 import warnings
 
 import keras
 import tensorflow as tf
 
+from kmix import _compat
 from kmix._output import progress
 from kmix.placing import autocast
 from kmix._tree import digest, walk
 from kmix.policy.policy import Policy
 from kmix.route import inplace
-from kmix.serving import artifact, check, half_weights, keras_file, storage
+from kmix.serving import artifact, check, destination, half_weights, keras_file, storage
+from kmix.serving.report import ExportReport
 
 _HALF = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "f16": "float16"}
 
 
-class ExportReport:
-    """What `kmix.export` wrote and how far its outputs are from float32's; `str()` prints it.
-
-    Attributes:
-        paths: the artifacts written.
-        dtype: the half dtype of the weights.
-        sample: where the inputs checked came from, and their shapes.
-        max_abs_diff, max_abs_float32, top1_agreement: the artifact's outputs
-            against the float32 model's on the sample (see
-            `kmix.serving.Comparison`; `top1_agreement` is None where the model
-            has no single output with classes on its last axis).
-        weight_bytes, float32_weight_bytes: the variables as stored, and the
-            same variables in float32.
-        disk_bytes: `{path: bytes on disk}` (a SavedModel's graph is the same
-            size as a float32 export's: a small model is not halved).
-        load_seconds: `{path: seconds to read it back}`.
-        stored_in_half: the float32 layers storing half weights.
-        float32_layers: every layer computing in float32.
-        kept_float32: `{path: why}` for float32 layers with a matrix that
-            keep float32 weights.
-    """
-
-    def __init__(self, **fields):
-        self.__dict__.update(fields)
-
-    def __str__(self):
-        top1 = "n/a" if self.top1_agreement is None else f"{self.top1_agreement:.1%}"
-        lines = [
-            f"kmix.export: {self.dtype} weights, float32 in and out; checked on a sample {self.sample}",
-            f"  max |out - float32|: {self.max_abs_diff:.4g} (largest |float32 out| {self.max_abs_float32:.4g}); "
-            f"top-1 = float32: {top1}",
-            f"  weights: {self.weight_bytes:,} bytes ({self.weight_bytes / max(self.float32_weight_bytes, 1):.2f}x "
-            f"their float32 {self.float32_weight_bytes:,})",
-            f"  float32 compute: {len(self.float32_layers)} layers; of these storing {self.dtype}: "
-            f"{self.stored_in_half or 'none'}",
-        ]
-        for path, why in self.kept_float32.items():
-            lines.append(f"  float32 weights kept in {path}: {why}")
-        for path in self.paths:
-            lines.append(f"  wrote {path}: {self.disk_bytes[path]:,} bytes, read back in {self.load_seconds[path]:.2f} s")
-        return "\n".join(lines)
-
-    __repr__ = __str__
-
-
-def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, verbose=True):
+@_compat.releases_custom_gradients
+def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, verbose=True, overwrite=False):
     """Writes a half-precision serving artifact of `model`, checked against its float32 outputs.
 
     The artifact is a TensorFlow SavedModel directory with a `serve`
@@ -103,8 +61,8 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
     export (`kmix.serving.NotFiniteError`, naming the layers
     `kmix.diagnose` finds overflowing), as does a SavedModel whose weights
     read back are not the half weights written, or a `.keras` file that
-    does not compute as the model it was written from; nothing is left at
-    `filepath` then. A SavedModel
+    does not compute as the model it was written from; `filepath` is left
+    as it was then. A SavedModel
     is written from `model` itself, placed in place for the export (one
     `kmix.autocast`) and put back after, through half copies of the weights
     it serves (the artifact's weights, 0.5x float32's for bfloat16): no
@@ -129,6 +87,12 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
             compute, as `kmix.autocast` takes them (their matrices are still
             stored in `dtype` where the values fit).
         verbose: print progress and the report.
+        overwrite: by default `filepath` must be new or an empty directory
+            (as Keras's `model.export` and `model.save`, an existing file or
+            non-empty directory is refused at the call); True replaces an
+            artifact there, the new one moved in whole, and writes a
+            SavedModel's files into a directory holding others, which are
+            kept. A file is never replaced by a directory, nor the reverse.
 
     Returns:
         An `ExportReport`: paths, the largest difference from float32 and
@@ -137,8 +101,8 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
 
     Raises:
         TypeError / ValueError: naming the argument, for a model that is not
-            a built `keras.Model`, a bad path, a `dtype` other than the two
-            half dtypes, or a sample that does not fit the model.
+            a built `keras.Model`, a bad or occupied path, a `dtype` other
+            than the two half dtypes, or a sample that does not fit the model.
         kmix.serving.NotFiniteError: when the half outputs are not finite;
             its `float32_layers` are what to pass to retry.
 
@@ -151,21 +115,22 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
     >>> infer = served.signatures["serving_default"]        # by name, as TF Serving calls it
     >>> probs = infer(features=tf.constant(x_val[:8]))["output_0"]  # keras.Input(name="features")
     """
-    paths = _check_paths(filepath)
+    targets = _check_paths(filepath, overwrite)
+    paths = [target.given for target in targets]
     half = _check_dtype(dtype)
     _check_model(model)
     say = progress if verbose else (lambda message: None)
     x, origin = check.sample_inputs(model, sample)
     if any(artifact.kind(path) == "keras" for path in paths):
-        report = _export_copy(model, paths, half, x, origin, float32_layers, say)
+        report = _export_copy(model, targets, half, x, origin, float32_layers, say)
     else:
-        report = _export_in_place(model, paths, half, x, origin, float32_layers, say)
+        report = _export_in_place(model, targets, half, x, origin, float32_layers, say)
     if verbose:
         print(report)
     return report
 
 
-def _export_in_place(model, paths, half, x, origin, float32_layers, say):
+def _export_in_place(model, targets, half, x, origin, float32_layers, say):
     """SavedModels of `model` placed in place (autocast once) and served with half weights; `model` put back.
 
     The served function is traced once and written; the one half run is the
@@ -185,8 +150,8 @@ def _export_in_place(model, paths, half, x, origin, float32_layers, say):
         float32_layers_now = [p for p, layer, _ in walk(model) if layer.compute_dtype == "float32" and layer.weights]
         stored, kept_float32 = weights.stored_in_half, weights.kept_float32
         disk, seconds, worst = {}, {}, None
-        for n, path in enumerate(paths):
-            last = n == len(paths) - 1
+        for n, target in enumerate(targets):
+            path, last = target.given, n == len(targets) - 1
             say(f"kmix.export: writing {path}")
 
             def write(to):
@@ -215,11 +180,10 @@ def _export_in_place(model, paths, half, x, origin, float32_layers, say):
                     raise check.refuse(result, reference, x, half, float32_layers)
                 return result, loaded_s
 
-            result, seconds[path] = _write_checked(path, write, verify, say, release if last else None)
+            result, seconds[path], disk[path] = _write_checked(target, write, verify, say, release if last else None)
             worst = result if worst is None or result.max_abs_diff > worst.max_abs_diff else worst
-            disk[path] = artifact.disk_bytes(path)
     return ExportReport(
-        paths=paths, dtype=half, sample=origin, max_abs_diff=worst.max_abs_diff,
+        paths=list(disk), dtype=half, sample=origin, max_abs_diff=worst.max_abs_diff,
         max_abs_float32=worst.max_abs_float32, top1_agreement=worst.top1_agreement,
         weight_bytes=weight_bytes, float32_weight_bytes=float32_bytes, disk_bytes=disk,
         load_seconds=seconds, stored_in_half=stored, kept_float32=kept_float32, float32_layers=float32_layers_now,
@@ -246,30 +210,27 @@ def _check_float32_finite(expected, model):
         )
 
 
-def _write_checked(path, write, verify, say, release=None):
-    """Writes through `write(to)` beside `path`, reads it back through `verify(to)`, then moves it to `path`.
+def _write_checked(target, write, verify, say, release=None):
+    """Writes through `write(to)` to `target.partial`, reads it back through `verify(to)`, then commits it.
 
-    `verify` returns `(Comparison, seconds to read back)` or raises. Nothing
-    is left behind where writing or the read-back fails: the artifact is
-    written to a temporary path next to `path` and moved there only once it
-    passes. `release()`, when given, runs between the two (frees what was
-    written from).
+    `verify` returns `(Comparison, seconds to read back)` or raises; the
+    artifact is moved to the path only once it passes, and on any exception
+    (an interrupt included) the path is left as it was. `release()`, when
+    given, runs between the two (frees what was written from). Returns
+    `(Comparison, seconds, bytes on disk)`.
     """
-    head, tail = os.path.split(path.rstrip(os.sep))
-    partial = os.path.join(head, f".kmix-partial-{os.getpid()}-{tail}")  # keeps `.keras` at the end
-    _remove(partial)
     try:
-        write(partial)
+        write(target.partial)
         if release is not None:
             release()
-        say(f"kmix.export: reading {path} back")
-        result, seconds = verify(partial)
-        _remove(path)
-        os.replace(partial, path)
+        say(f"kmix.export: reading {target.given} back")
+        result, seconds = verify(target.partial)
+        disk = artifact.disk_bytes(target.partial)  # the artifact's own files, not others at the path
+        target.commit()
     except BaseException:
-        _remove(partial)
+        target.discard()
         raise
-    return result, seconds
+    return result, seconds, disk
 
 
 def _read_back_near(path, to, served, x, expected, before):
@@ -292,13 +253,6 @@ def _read_back_near(path, to, served, x, expected, before):
     return result, seconds
 
 
-def _remove(path):
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        os.remove(path)
-
-
 def _autocast(model, policy, float32_layers):
     """`kmix.autocast(model, policy)` in place, its advice about reloading a model silenced (export checks its own)."""
     with warnings.catch_warnings():
@@ -307,7 +261,7 @@ def _autocast(model, policy, float32_layers):
         return autocast(model, policy, float32_layers=float32_layers)
 
 
-def _export_copy(model, paths, half, x, origin, float32_layers, say):
+def _export_copy(model, targets, half, x, origin, float32_layers, say):
     """`.keras` files (and SavedModels beside them): a placed copy of `model`, its weights stored half."""
     say(f"kmix.export: placing a {half} copy of {model.name!r}")
     served = _placed_copy(model, Policy("O2", half=half), float32_layers)
@@ -323,21 +277,21 @@ def _export_copy(model, paths, half, x, origin, float32_layers, say):
         raise check.refuse(before, reference if reference is not model else _placed_copy(model, Policy("O0"), None),
                            x, half, float32_layers)
 
-    for path in paths:
-        if artifact.kind(path) == "keras":
-            keras_file.check(served, path)
+    for target in targets:
+        if artifact.kind(target.given) == "keras":
+            keras_file.check(served, target.given)
     disk, seconds, worst = {}, {}, None
-    for path in paths:
+    for target in targets:
+        path = target.given
         say(f"kmix.export: writing {path}")
-        result, seconds[path] = _write_checked(
-            path, lambda to: artifact.write(served, to, x, model),
+        result, seconds[path], disk[path] = _write_checked(
+            target, lambda to: artifact.write(served, to, x, model),
             lambda to, path=path: _read_back_near(path, to, served, x, expected, before), say)
         worst = result if worst is None or result.max_abs_diff > worst.max_abs_diff else worst
-        disk[path] = artifact.disk_bytes(path)
 
     weight_bytes, float32_bytes = storage.weight_bytes(served)
     return ExportReport(
-        paths=paths, dtype=half, sample=origin, max_abs_diff=worst.max_abs_diff,
+        paths=list(disk), dtype=half, sample=origin, max_abs_diff=worst.max_abs_diff,
         max_abs_float32=worst.max_abs_float32, top1_agreement=worst.top1_agreement,
         weight_bytes=weight_bytes, float32_weight_bytes=float32_bytes, disk_bytes=disk,
         load_seconds=seconds, stored_in_half=stored, kept_float32=kept,
@@ -372,12 +326,20 @@ def _computes_in_float32(model):
     return all(layer.compute_dtype == "float32" for _, layer, _ in walk(model))
 
 
-def _check_paths(filepath):
+def _check_paths(filepath, overwrite):
+    """A `destination.Target` for each path, checked (and leftovers of killed exports cleaned) at the call."""
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"`overwrite` must be True or False. Received: overwrite={overwrite!r}.")
     items = list(filepath) if isinstance(filepath, (list, tuple)) else [filepath]
     paths = [artifact.check_path("filepath", p) for p in items]
     if not paths:
         raise ValueError("`filepath` must name at least one artifact. Received: filepath=[].")
-    return paths
+    targets = []
+    for path in paths:  # a loop, not a comprehension: a warning's stacklevel points at the caller's line
+        targets.append(destination.Target(path, overwrite))
+    if len({t.path for t in targets}) < len(targets):
+        raise ValueError(f"`filepath` names one path twice. Received: filepath={filepath!r}.")
+    return targets
 
 
 def _check_dtype(dtype):
