@@ -31,9 +31,18 @@ def recast_variable(variable, dtype):
     """
     import keras
 
-    value = tf.cast(variable._value, dtype)
+    old = variable._value
+    value = tf.cast(old, dtype)
     variable._dtype = keras.backend.standardize_dtype(dtype)
-    variable._initialize(value)
+    # The new storage is watched by gradient tapes as the old one was: Keras makes it from the
+    # variable's `trainable` at that moment, and a layer frozen while it is placed would
+    # otherwise get storage no tape watches, which unfreezing it later does not change.
+    frozen = variable._trainable
+    variable._trainable = getattr(old, "trainable", frozen)
+    try:
+        variable._initialize(value)
+    finally:
+        variable._trainable = frozen
 
 
 @contextlib.contextmanager
