@@ -1,4 +1,4 @@
-"""Install kmix: `pip install .` (library) or `pip install .[test]` (with tests)."""
+"""Install kmix: `pip install .` (library), `.[test]` (with tests), `.[gpu]` (NVIDIA GPUs: CUDA libraries and pytest)."""
 
 import re
 from pathlib import Path
@@ -11,6 +11,8 @@ VERSION = re.search(
     (HERE / "kmix" / "__init__.py").read_text(),
     re.MULTILINE,
 ).group(1)
+
+TEST_TOOLS = ["pytest>=7", "absl-py"]
 
 setup(
     name="kmix",
@@ -30,7 +32,11 @@ setup(
         # pytest-xdist: the suite on 2 processes, a test file each (-n 2 --dist loadfile);
         # tensorboard: the TensorBoard callback test; keras-hub: autocast on real backbones
         # (built from constructor arguments: no presets, no downloads).
-        "test": ["pytest>=7", "pytest-xdist", "absl-py", "tensorboard", "keras-hub>=0.20"],
+        "test": [*TEST_TOOLS, "pytest-xdist", "tensorboard", "keras-hub>=0.20"],
+        # tensorflow[and-cuda]: the CUDA runtime, cuDNN and the rest TensorFlow was built against
+        # (plain `tensorflow` brings none: with only the driver it sees no GPU); pytest: for
+        # `python -m kmix bench gpu`, which runs the tests marked gpu.
+        "gpu": ["tensorflow[and-cuda]>=2.16", *TEST_TOOLS],
     },
     entry_points={"console_scripts": ["kmix=kmix.__main__:main"]},
     classifiers=[

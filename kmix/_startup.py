@@ -5,18 +5,24 @@ TensorFlow 2.21 prints its start-up notes (oneDNN, the CUDA stub, CPU features,
 initializers, before it reads `TF_CPP_MIN_LOG_LEVEL`; the variable alone does
 not hide them. A command therefore sets the variable (unless the user did)
 and starts TensorFlow with the C++ side of stderr captured: the start-up
-notes are dropped, anything else is written back. Python's own `sys.stderr`
+notes are dropped, anything else is written back. Where an NVIDIA driver is
+installed but TensorFlow sees no GPU, its CUDA lines are the reason (no CUDA
+runtime, a cuDNN it cannot load): they are written back, with a line saying
+what kmix would need. Python's own `sys.stderr`
 bypasses the capture, so warnings and tracebacks are untouched. Imported as a
 library, kmix changes nothing.
 """
 
 import os
 import re
+import shutil
 import sys
 import tempfile
 
 _LOG_LINE = re.compile(r"^(?P<level>[IWEF])\d{4} [\d:. ]+\d+ (?P<file>[\w.]+):\d+\]")
 _ABSL_NOTE = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+_GPU_REASON = re.compile(r"cuda|cudnn|cublas|dlopen|dynamic librar|gpu_device|GPU will not be used", re.IGNORECASE)
+DRIVER_VERSION_FILE = "/proc/driver/nvidia/version"
 _QUIET_LEVEL = "3"  # runtime notes logged at ERROR level too ("oneDNN supports DT_HALF only ..."); real errors raise
 
 
@@ -50,7 +56,7 @@ def quiet_tensorflow_start():
             sys.stderr = os.fdopen(os.dup(saved_fd), "w", buffering=1)  # Python output goes through
             import tensorflow as tf
 
-            tf.config.list_physical_devices()  # the CUDA probe ("failed call to cuInit")
+            devices = tf.config.list_physical_devices()  # the CUDA probe ("failed call to cuInit")
         finally:
             passing = sys.stderr
             passing.flush()
@@ -60,7 +66,12 @@ def quiet_tensorflow_start():
             os.dup2(saved_fd, 2)
             os.close(saved_fd)
         captured.seek(0)
-        kept = drop_startup_notes(captured.read().decode("utf-8", "replace"))
+        driver = None if any(d.device_type == "GPU" for d in devices) else nvidia_driver()
+        kept = drop_startup_notes(captured.read().decode("utf-8", "replace"), keep_gpu_reasons=driver is not None)
+    if driver is not None:
+        kept += (f"kmix: an NVIDIA driver is installed ({driver}) but TensorFlow sees no GPU. "
+                 "`pip install \".[gpu]\"` brings the CUDA libraries TensorFlow needs (tensorflow[and-cuda]); "
+                 "`python -m kmix bench gpu` prints TensorFlow's full reason.\n")
     if kept:
         sys.stderr.write(kept)
         sys.stderr.flush()
@@ -84,16 +95,51 @@ def _repoint_handlers(old, new):
                 handler.setStream(new)
 
 
-def drop_startup_notes(text):
+def nvidia_driver(version_file=DRIVER_VERSION_FILE):
+    """The installed NVIDIA driver, in a few words, or None where there is none.
+
+    Args:
+        version_file: the kernel module's version file (Linux); where it is
+            missing, an `nvidia-smi` on the PATH counts as a driver.
+
+    Returns:
+        The version file's first line (`"NVRM version: NVIDIA UNIX x86_64
+        Kernel Module  550.54.15 ..."`), `"nvidia-smi at <path>"`, or None.
+    """
+    try:
+        with open(version_file, encoding="utf-8", errors="replace") as f:
+            return " ".join(f.readline().split()) or "NVIDIA kernel module"
+    except OSError:
+        smi = shutil.which("nvidia-smi")
+        return f"nvidia-smi at {smi}" if smi else None
+
+
+def says_why_no_gpu(line):
+    """Whether `line`, one of TensorFlow's C++ log lines, is about finding CUDA or a GPU."""
+    match = _LOG_LINE.match(line)
+    return bool(match) and (match["file"].startswith("cuda") or bool(_GPU_REASON.search(line)))
+
+
+def drop_startup_notes(text, keep_gpu_reasons=False):
     """`text` (TensorFlow's C++ stderr) without start-up notes: INFO/WARNING lines, CUDA probing.
 
     A log line's continuation lines (no prefix of their own) go with it.
+
+    Args:
+        text: what TensorFlow wrote to stderr while it started.
+        keep_gpu_reasons: keep the lines about CUDA and GPUs (`says_why_no_gpu`),
+            whatever their level: where a driver is installed and no GPU is
+            seen, they say why.
+
+    Returns:
+        The lines kept, as one string.
     """
     kept, dropping = [], False
     for line in text.splitlines(keepends=True):
         match = _LOG_LINE.match(line)
         if match:
-            dropping = match["level"] in "IW" or match["file"].startswith("cuda")
+            dropping = not (keep_gpu_reasons and says_why_no_gpu(line)) and (
+                match["level"] in "IW" or match["file"].startswith("cuda"))
         elif line.rstrip("\n") == _ABSL_NOTE:
             dropping = True
             continue

@@ -1,5 +1,12 @@
-"""`bench gpu`'s report: the tables as markdown (`report.md`) and speed and memory against float32 (`gpu.png`)."""
+"""`bench gpu`'s report: `report.md` (tables to paste into docs/benchmarks.md) and `gpu.png`.
 
+A `Report` holds what has been measured so far and is written again after
+every item: a run stopped at any moment leaves a report of everything
+measured before, and says what was running.
+"""
+
+import os
+import time
 from pathlib import Path
 
 import keras
@@ -9,23 +16,56 @@ import kmix
 from kmix.benchmarks import memory
 from kmix.benchmarks.common import format_table
 
-ROUTE_HEADERS = ["route", "stack", "TF32", "ms/step", "tokens/s", "TFLOP/s", "peak mem", "speed x f32",
-                 "mem x f32", "loss", "speed x f32 TF32 off"]
+ROUTE_HEADERS = ["route", "stack", "XLA", "TF32", "ms/step", "spread", "fit overhead", "steps/round", "tokens/s",
+                 "TFLOP/s", "peak mem", "speed x f32", "mem x f32", "loss", "skipped", "final scale",
+                 "speed x f32 TF32 off"]
+SPEED = ROUTE_HEADERS.index("speed x f32")
+STACKS = {"keras": "keras", "recommended": "kmix.autocast"}
+
+
+def _baseline(results, tf32):
+    return next((r for r in results if "error" not in r and r["policy"] == "float32" and r["stack"] == "keras"
+                 and r["jit_compile"] and r["tf32"] == tf32), None)
 
 
 def route_rows(results):
-    """The routes' table rows: ratios against float32 with TF32 on, and the speed against float32 with it off."""
-    base = next((r for r in results if r["policy"] == "float32" and r["tf32"]), None)
-    no_tf32 = next((r for r in results if r["policy"] == "float32" and not r["tf32"]), None)
+    """The routes' table rows: ratios against Keras float32 under XLA with TF32 on, the last with TF32 off."""
+    base, no_tf32 = _baseline(results, True), _baseline(results, False)
     rows = []
     for r in results:
-        speed = base["step_seconds"] / r["step_seconds"] if base else "n/a"
+        head = [r["label"], STACKS.get(r["stack"], r["stack"]), "yes" if r["jit_compile"] else "no",
+                "on" if r["tf32"] else "off"]
+        if "error" in r:
+            rows.append(head + ["failed"] + ["-"] * (len(ROUTE_HEADERS) - len(head) - 1))
+            continue
+        step = r["step_seconds"]
         mem = r["peak_bytes"] / base["peak_bytes"] if base and r["peak_bytes"] and base["peak_bytes"] else "n/a"
-        rows.append([r["label"], r["stack"], "on" if r["tf32"] else "off", r["step_seconds"] * 1e3,
-                     round(r["tokens_per_second"]), r["tflops"] if r["tflops"] is not None else "n/a",
-                     _bytes(r["peak_bytes"]), speed, mem, r["loss"],
-                     no_tf32["step_seconds"] / r["step_seconds"] if no_tf32 else "n/a"])
+        rows.append(head + [
+            step * 1e3, _percent(r["spread"]), _percent(r["overhead"]), r["steps"], round(r["tokens_per_second"]),
+            r["tflops"], _bytes(r["peak_bytes"]), base["step_seconds"] / step if base else "n/a", mem, r["loss"],
+            r["skipped"], f"{r['scale']:g}" if r["scale"] is not None else "-",
+            no_tf32["step_seconds"] / step if no_tf32 else "n/a"])
     return rows
+
+
+def route_line(r):
+    """One route's figures on one line, printed as soon as it is measured."""
+    where = f"{r['label']} ({STACKS.get(r['stack'], r['stack'])}, {'XLA' if r['jit_compile'] else 'no XLA'}, " \
+            f"TF32 {'on' if r['tf32'] else 'off'})"
+    if "error" in r:
+        return f"route {where}: failed: {r['error']}"
+    scale = f", final scale {r['scale']:g}" if r["scale"] is not None else ""
+    return (f"route {where}: {r['step_seconds'] * 1e3:.4g} ms/step (spread {_percent(r['spread'])}, fit overhead "
+            f"{_percent(r['overhead'])}, {r['steps']} steps a round), {r['tflops']:.3g} TFLOP/s, peak "
+            f"{_bytes(r['peak_bytes'])}, loss {r['loss_first']:.4g} -> {r['loss']:.4g}, skipped {r['skipped']}{scale}")
+
+
+def memory_line(r):
+    """One memory configuration's figures on one line."""
+    if "error" in r:
+        return f"memory {r['name']}: failed: {r['error']}"
+    return (f"memory {r['name']}: peak {_bytes(r['peak_bytes'])}, state {_bytes(r['state_bytes'])} "
+            f"(memory_report: {_bytes(r['report_state_bytes'])}), {r['step_seconds'] * 1e3:.4g} ms/step")
 
 
 def markdown_table(headers, rows):
@@ -38,51 +78,105 @@ def _markdown(headers, rows):
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def write_report(out, header, routes, route_size, mem, mem_size, demo_results, tests, skipped, seconds):
-    """Writes `report.md` and `gpu.png` into `out`; returns their paths."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    md = [f"## Measured: {header}", "",
-          f"`python -m kmix bench gpu`, {seconds:.0f} s in all. TensorFlow {tf.__version__}, Keras "
-          f"{keras.__version__}, kmix {kmix.__version__}.", ""]
-    md += ["### Training step, every route under XLA", ""]
-    if routes:
-        s = route_size
+class Report:
+    """What `bench gpu` has measured so far, written to `report.md` in `out` by `save`.
+
+    Args:
+        out: the folder, created if missing.
+        header: where and when (`"NVIDIA H100 (compute capability 9.0), 2026-12-01"`).
+        sizes: `{"routes": ..., "memory": ...}`, the models' sizes.
+    """
+
+    def __init__(self, out, header, sizes):
+        self.out, self.header, self.sizes = Path(out), header, sizes
+        self.routes, self.memory, self.tests, self.demo = [], [], None, None
+        self.skipped, self.notes = [], []
+        self.running, self.seconds = None, None  # what runs now; the run's seconds once it ended
+        self.start = time.perf_counter()
+        self.path = str(self.out / "report.md")
+
+    def save(self, plot=False):
+        """Writes `report.md` (beside, then moved into place), and `gpu.png` with `plot`; returns the PNG's path or None."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        partial = self.out / "report.md.partial"
+        partial.write_text(self.markdown(), encoding="utf-8")
+        os.replace(partial, self.path)
+        return draw(self.routes, self.memory, self.out / "gpu.png", self.header) if plot else None
+
+    def markdown(self):
+        """The report as markdown."""
+        elapsed = time.perf_counter() - self.start
+        state = (f"{self.seconds:.0f} s in all" if self.seconds is not None else
+                 f"**still running** after {elapsed:.0f} s, at: {self.running or 'between items'}")
+        md = [f"## Measured: {self.header}", "",
+              f"`python -m kmix bench gpu`, {state}. TensorFlow {tf.__version__}, Keras {keras.__version__}, "
+              f"kmix {kmix.__version__}.", ""]
+        md += self._tests() + self._routes() + self._memory() + self._demo()
+        if self.notes:
+            md += ["### Notes", ""] + [f"- {n}" for n in self.notes] + [""]
+        if self.skipped:
+            md += ["### Skipped for the time budget", ""] + [f"- {s}" for s in self.skipped] + [""]
+        return "\n".join(md)
+
+    def _tests(self):
+        md = ["### Tests marked gpu", ""]
+        t = self.tests
+        if t is None:
+            return md + ["not run", ""]
+        command = " ".join(["pytest", *t["command"][3:]]) if t["command"] else "pytest -m gpu"
+        md += [f"`{command}`: {t['summary']}", ""]
+        if t["running"]:
+            md += [f"Running when the time ran out: `{t['running']}`.", ""]
+        if t["outcomes"]:
+            rows = [[test, outcome, f"{s:.1f}" if s is not None else "-"] for test, outcome, s in t["outcomes"]]
+            md += [_markdown(["test", "outcome", "seconds"], rows), ""]
+        if t["tail"] and t["returncode"] != 0:
+            md += [f"The log's last lines (all of it: `{t['log']}`):", "", "```", t["tail"], "```", ""]
+        return md
+
+    def _routes(self):
+        md = ["### Training step, every route", ""]
+        if not self.routes:
+            return md + ["not run", ""]
+        s = self.sizes["routes"]
         md += [f"`bench train`'s GPT: {s['layers']} layers, d_model {s['d_model']}, {s['heads']} heads, seq "
                f"{s['seq']}, batch {s['batch']}, vocab {s['vocab']}; AdamW; each route alone, the median of "
-               f"{s['rounds']} rounds of {s['steps']} steps. Ratios against float32 with TF32 on (TensorFlow's "
-               "default), and in the last column against float32 with TF32 off; kmix.autocast rows: `kmix.autocast(model, policy)` + `kmix.wrap` in "
-               "`kmix.policy_scope(policy)`.", "", markdown_table(ROUTE_HEADERS, route_rows(routes)), ""]
-    else:
-        md += ["not run", ""]
-    md += ["### Memory: float32, O1 and O2 under XLA", ""]
-    if mem:
-        s = mem_size
+               f"{s['rounds']} rounds, each of enough steps to last about {s['round_s']:g} s (`steps/round`). "
+               "`spread`: the rounds' interquartile range over their median; `fit overhead`: `fit`'s fixed cost "
+               "(iterator, callbacks, the sync at its end) as a share of a round, from a one-step `fit`; `peak "
+               "mem`: the allocator's peak over the rounds, its statistics reset after the compile; `skipped`: "
+               "steps that did not advance `optimizer.iterations`; `final scale`: the dynamic loss scale at the "
+               "end. Ratios against Keras float32 under XLA with TF32 on (TensorFlow's default), the last column "
+               "against it with TF32 off; kmix.autocast rows: `kmix.autocast(model, policy)` + `kmix.wrap` in "
+               "`kmix.policy_scope(policy)` (`kmix float32`: kmix's own cost at float32).", "",
+               markdown_table(ROUTE_HEADERS, route_rows(self.routes)), ""]
+        md += [f"- {r['label']} failed: `{r['error']}`" for r in self.routes if "error" in r]
+        return md + ([""] if any("error" in r for r in self.routes) else [])
+
+    def _memory(self):
+        md = ["### Memory: float32, O1 and O2 under XLA", ""]
+        done = [r for r in self.memory if "error" not in r]
+        if not self.memory:
+            return md + ["not run", ""]
+        s = self.sizes["memory"]
         md += [f"`bench memory`'s GPT: {s['layers']} blocks, d_model {s['d_model']}, seq {s['seq']}, batch "
-               f"{s['batch']}, vocab {s['vocab']}; AdamW; peak over one optimizer step, state between steps.",
-               "", markdown_table(memory.HEADERS, memory.format_rows(mem)), ""]
-    else:
-        md += ["not run", ""]
-    md += ["### The float16 NaN demo", ""]
-    if demo_results:
+               f"{s['batch']}, vocab {s['vocab']}; AdamW; peak over one optimizer step, state between steps.", ""]
+        if done:
+            md += [markdown_table(memory.HEADERS, memory.format_rows(done)), ""]
+        md += [f"- {r['name']} failed: `{r['error']}`" for r in self.memory if "error" in r]
+        return md + ([""] if len(done) < len(self.memory) else [])
+
+    def _demo(self):
+        if self.demo is None:
+            return []
         from kmix.demo import format_results
 
-        runs = {k: v for k, v in demo_results.items() if k != "plot"}
-        md += [_markdown(*_split(format_results(runs, "mixed_float16"))), ""]
-    else:
-        md += ["not run", ""]
-    md += ["### Tests marked gpu", "", f"`{' '.join(['pytest', *tests['command'][3:]]) if tests['command'] else 'pytest -m gpu'}`:"
-           f" {tests['summary'] or 'no summary line'}", ""]
-    if skipped:
-        md += ["### Skipped for the time budget", ""] + [f"- {s}" for s in skipped] + [""]
-    report = out / "report.md"
-    report.write_text("\n".join(md))
-    png = plot(routes, mem, out / "gpu.png", header)
-    return str(report), png
+        runs = {k: v for k, v in self.demo.items() if k != "plot"}
+        return ["### The float16 NaN demo", "", _markdown(*_split(format_results(runs, "mixed_float16"))), ""]
 
 
 def _split(table):
-    """A `format_table` string back into `(headers, rows)` (the demo's table)."""
+    """A `format_table` string back into `(headers, rows)`."""
     lines = table.splitlines()
     widths = [len(c) for c in lines[1].split("  ")]
 
@@ -96,25 +190,27 @@ def _split(table):
     return cells(lines[0]), [cells(line) for line in lines[2:]]
 
 
-def plot(routes, mem, path, title):
-    """Saves speed (routes) and peak memory (memory configurations) against float32 as a PNG."""
+def draw(routes, mem, path, title):
+    """Saves speed (routes) and peak memory (memory configurations) against float32 as a PNG; returns its path."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    routes = [r for r in routes if "error" not in r]
+    mem = [r for r in mem if "error" not in r]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     panels = [
-        (axes[0], [r["label"] for r in routes], [row[7] for row in route_rows(routes)],
-         "training step speed / float32 (TF32 on), XLA"),
+        (axes[0], [r["label"] for r in routes], [row[SPEED] for row in route_rows(routes)],
+         "training step speed / Keras float32 (XLA, TF32 on)"),
         (axes[1], [r["name"] for r in mem], [row[5] for row in memory.format_rows(mem)] if mem else [],
          "peak memory / float32, XLA"),
     ]
     for ax, names, values, label in panels:
         values = [v if isinstance(v, float) else 0.0 for v in values]
+        ax.set_title(label, fontsize=9)
         if not values:
             ax.text(0.5, 0.5, "not run", ha="center", va="center")
-            ax.set_title(label, fontsize=9)
             continue
         bars = ax.barh(range(len(names)), values, color="tab:blue")
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
@@ -122,12 +218,15 @@ def plot(routes, mem, path, title):
         ax.set_yticks(range(len(names)), names, fontsize=8)
         ax.invert_yaxis()
         ax.set(xlim=(0, max(values) * 1.2 or 1.0))
-        ax.set_title(label, fontsize=9)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return str(path)
+
+
+def _percent(x):
+    return "-" if x is None else f"{x:.1%}"
 
 
 def _bytes(n):

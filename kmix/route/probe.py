@@ -5,8 +5,11 @@ with a model it tells which half dtypes are worth timing there. The step is
 `x + gelu(x @ w1 + b1) @ w2`, forward and backward (six matmuls, a bias, a
 GELU and a residual add), in float32, bfloat16 and float16, as a
 `tf.function` and under XLA. Every configuration runs at one size, in
-interleaved rounds (`kmix.route.timing`); a few seconds in all, cached per
-process and size. `kmix.device` shows `probe` and `Probe` with the device facts.
+interleaved rounds (`kmix.route.timing`), each call timed until the device
+is done; a few seconds in all, cached per process, size and TF32 setting. On
+a GPU the rows grow (`size_rows`) until a call is long enough not to be
+bound by kernel launches. `kmix.device` shows `probe` and `Probe` with the
+device facts.
 
     >>> import kmix
     >>> print(kmix.device.probe())  # GFLOP/s per dtype, tf.function and XLA, with the spread
@@ -44,6 +47,9 @@ class Probe:
             configurations ran more than `SCREEN` times slower than the
             fastest (float16 on a CPU without float16 kernels); their
             `gflops` are from that call.
+        tf32: whether float32 matmuls could use TF32 tensor cores
+            (`tf.config.experimental.tensor_float_32_execution_enabled()`;
+            None: not recorded).
     """
 
     device: str
@@ -53,6 +59,7 @@ class Probe:
     rounds: dict = None
     rows: int = None
     screened: tuple = ()
+    tf32: bool = None
 
     def rate(self, dtype, jit_compile):
         """GFLOP/s of `dtype` as a `tf.function` (`jit_compile=False`) or under XLA."""
@@ -77,8 +84,9 @@ class Probe:
         m, k, n = self.shape
         rows = self.rows or m
         rounds = f", median of {len(next(iter(self.rounds.values())))} interleaved rounds" if self.rounds else ""
+        tf32 = f", TF32 {'on' if self.tf32 else 'off'}" if self.tf32 is not None and "CPU" not in self.device else ""
         lines = [f"training step of x + gelu(x @ w1 + b1) @ w2, x {rows}x{k}, w1 {k}x{n}, on {self.device} "
-                 f"({self.seconds:.1f} s{rounds}): GFLOP/s (spread)"]
+                 f"({self.seconds:.1f} s{rounds}{tf32}): GFLOP/s (spread)"]
         lines.append(f"  {'dtype':<9} {'tf.function':>16} {'XLA':>16}")
         for dtype in DTYPES:
             lines.append(f"  {dtype:<9} {self._cell(dtype, False):>16} {self._cell(dtype, True):>16}")
@@ -98,10 +106,12 @@ class Probe:
 
 
 SCREEN = 4  # a configuration this much slower than the fastest on the first call is not timed further
+MIN_GPU_CALL_S = 2e-3  # a GPU call shorter than this is mostly kernel launches: the rows grow until it is not
+GPU_TENSOR_BYTES = 2**28  # the rows grow at most until a float32 (rows, max(k, n)) tensor takes this much
 
 
 def probe(shape=None, budget=0.25):
-    """Times the training step of `x + gelu(x @ w1 + b1) @ w2` per dtype, as a `tf.function` and under XLA; cached per shape.
+    """Times the training step of `x + gelu(x @ w1 + b1) @ w2` per dtype, as a `tf.function` and under XLA; cached.
 
     Every configuration is timed at the same size, in interleaved rounds
     (`kmix.route.timing.run_rounds`: at least 7, each configuration once a
@@ -114,12 +124,16 @@ def probe(shape=None, budget=0.25):
         shape: `(m, k, n)`; by default `(1024, 512, 2048)` on a CPU (a
             d_model 512 MLP over 1024 tokens) and
             `(8192, 4096, 4096)` on a GPU (large enough for tensor cores).
+            On a GPU `m` is where the rows start: they double while the
+            fastest configuration's call is shorter than `MIN_GPU_CALL_S`
+            (`size_rows`), up to `gpu_row_limit(shape)`.
         budget: seconds of timed rounds per configuration. When the fastest
             configuration's call at full size would take more than this,
             every configuration is timed at `m // 16` rows instead.
 
     Returns:
-        A `Probe`. Six configurations, a few seconds in all on a CPU.
+        A `Probe`. Six configurations, a few seconds in all on a CPU. One
+        per shape, budget and TF32 setting is measured in a process.
     """
     import tensorflow as tf
 
@@ -129,17 +143,44 @@ def probe(shape=None, budget=0.25):
     shape = tuple(int(s) for s in shape)
     if len(shape) != 3 or min(shape) < 1:
         raise ValueError(f"`shape` must be three positive ints (m, k, n). Received: shape={shape!r}")
-    return _probe(shape, float(budget), on_gpu)
+    return _probe(shape, float(budget), on_gpu, tf.config.experimental.tensor_float_32_execution_enabled())
+
+
+def gpu_row_limit(shape):
+    """The most rows `probe` grows `x` to on a GPU: `m`, or as many as fit `GPU_TENSOR_BYTES` in float32 `(rows, max(k, n))`."""
+    m, k, n = shape
+    return max(m, GPU_TENSOR_BYTES // (4 * max(k, n)))
+
+
+def size_rows(seconds_at, rows, limit, min_seconds=MIN_GPU_CALL_S):
+    """The rows, doubling from `rows` up to `limit`, at which one call takes at least `min_seconds`.
+
+    Args:
+        seconds_at: `fn(rows) -> seconds` of one call at that many rows.
+        rows, limit: where to start and the most rows to try.
+        min_seconds: a call shorter than this is mostly fixed cost (kernel launches).
+
+    Returns:
+        The first size tried whose call took `min_seconds` or more, else `limit`.
+
+    Example:
+        >>> size_rows(lambda rows: 1e-4 + rows * 1e-7, 1024, 65536)  # 1e-4 + 32768e-7 >= 2e-3
+        32768
+    """
+    while rows < limit and seconds_at(rows) < min_seconds:
+        rows = min(rows * 2, limit)
+    return rows
 
 
 @functools.lru_cache(maxsize=None)
-def _probe(shape, budget, on_gpu):
+def _probe(shape, budget, on_gpu, tf32):
     import tensorflow as tf
 
     start = time.perf_counter()
     m, k, n = shape
+    limit = gpu_row_limit(shape) if on_gpu else m
     gen = tf.random.Generator.from_seed(0)
-    tensors32 = (gen.normal((m, k)), gen.normal((k, n), stddev=k**-0.5), tf.zeros((n,)),
+    tensors32 = (gen.normal((limit, k)), gen.normal((k, n), stddev=k**-0.5), tf.zeros((n,)),
                  gen.normal((n, k), stddev=n**-0.5))
     tensors = {dtype: [tf.cast(t, dtype) for t in tensors32] for dtype in DTYPES}
     # One function per configuration, each around a partial of its own: TensorFlow counts
@@ -150,6 +191,10 @@ def _probe(shape, budget, on_gpu):
     first = {config: _first_call(fn, [tensors[config[0]][0][:small_rows]] + tensors[config[0]][1:])
              for config, fn in fns.items()}
     rows, screened = plan_rows(first, m, small_rows, budget)
+    if on_gpu and rows == m:
+        fastest = min(first, key=first.get)
+        rows = size_rows(lambda r: _first_call(fns[fastest], [tensors[fastest[0]][0][:r]] + tensors[fastest[0]][1:]),
+                         rows, limit)
     args = {dtype: [t[0][:rows]] + t[1:] for dtype, t in tensors.items()}
     calls = {config: functools.partial(_call, fn, args[config[0]]) for config, fn in fns.items()
              if config not in screened}
@@ -162,7 +207,7 @@ def _probe(shape, budget, on_gpu):
     gflops.update({config: 12 * rows * k * n / timing.median(seconds) / 1e9 for config, seconds in rounds.items()})
     where = gpus()[0]["name"] if on_gpu else f"CPU ({cpu_features()['model']})"
     return Probe(where, shape, gflops, time.perf_counter() - start,
-                 {config: tuple(seconds) for config, seconds in rounds.items()}, rows, screened)
+                 {config: tuple(seconds) for config, seconds in rounds.items()}, rows, screened, tf32)
 
 
 def plan_rows(first, m, small_rows, budget):

@@ -1,0 +1,91 @@
+"""Whether `bench gpu` has a GPU to measure, and where a driver is installed but none is seen, why.
+
+A machine with the NVIDIA driver but without the CUDA runtime and cuDNN that
+TensorFlow was built against (`pip install tensorflow` brings neither;
+`tensorflow[and-cuda]`, kmix's `gpu` extra, does) shows TensorFlow no GPU.
+TensorFlow logs why while it looks for one, at levels a quiet start hides:
+`why_no_gpu` asks it again in a fresh process with every level on and keeps
+the lines about CUDA and GPUs (`kmix._startup.says_why_no_gpu`).
+"""
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+
+import tensorflow as tf
+
+from kmix._startup import nvidia_driver, says_why_no_gpu  # noqa: F401  (re-exported)
+
+NO_GPU = ("No GPU is visible to TensorFlow and no NVIDIA driver is installed, so `python -m kmix bench gpu` "
+          "has nothing to measure here (it runs the checks that need a GPU). `python -m kmix doctor` "
+          "describes this machine.")
+FIX = ('`pip install ".[gpu]"` (tensorflow[and-cuda]: the CUDA runtime and cuDNN TensorFlow was built '
+       "against), then run `python -m kmix bench gpu` again.")
+_LOOK_FOR_GPUS = "import tensorflow as tf; print('GPUs seen:', len(tf.config.list_physical_devices('GPU')))"
+
+
+def gpu_facts():
+    """`(name, compute capability)` of the first GPU, or None without one."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return None
+    details = tf.config.experimental.get_device_details(gpus[0])
+    cc = details.get("compute_capability")
+    return details.get("device_name", "GPU"), (f"{cc[0]}.{cc[1]}" if cc else "unknown")
+
+
+def grow_gpu_memory():
+    """Lets TensorFlow take GPU memory as it needs it, so that the tests' subprocess finds some."""
+    for gpu in tf.config.list_physical_devices("GPU"):
+        try:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        except RuntimeError:  # the GPU was initialised already: its setting stays
+            pass
+
+
+def tensorflow_gpu_log(timeout=180):
+    """What a fresh TensorFlow logs while it looks for GPUs, every log level on (stdout and stderr)."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "0"}
+    try:
+        done = subprocess.run([sys.executable, "-c", _LOOK_FOR_GPUS], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"(TensorFlow did not finish looking for GPUs within {timeout} s)"
+    return done.stderr + done.stdout
+
+
+def cuda_packages():
+    """The installed `nvidia-*` pip packages (`tensorflow[and-cuda]` brings them), as `"name version"`."""
+    found = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()
+             if (d.metadata["Name"] or "").lower().startswith("nvidia-")}
+    return [f"{name} {version}" for name, version in sorted(found.items())]
+
+
+def why_no_gpu(driver, log=None):
+    """The message `bench gpu` prints where `driver` is installed and TensorFlow sees no GPU.
+
+    Args:
+        driver: what `nvidia_driver` found.
+        log: TensorFlow's log while it looked for GPUs (`tensorflow_gpu_log()` by default).
+
+    Returns:
+        Several lines: the driver, TensorFlow's build (its CUDA and cuDNN
+        versions), the `nvidia-*` pip packages, TensorFlow's own lines about
+        CUDA and GPUs, and the usual fix.
+    """
+    log = tensorflow_gpu_log() if log is None else log
+    build = tf.sysconfig.get_build_info()
+    built = (f"built with CUDA {build.get('cuda_version')} and cuDNN {build.get('cudnn_version')}"
+             if build.get("is_cuda_build") else "built without CUDA (no GPU support in this TensorFlow)")
+    packages = cuda_packages()
+    reasons = [line.rstrip() for line in log.splitlines() if says_why_no_gpu(line)]
+    lines = [f"An NVIDIA driver is installed ({driver}) but TensorFlow {tf.__version__} sees no GPU, so "
+             "nothing was measured.",
+             f"- TensorFlow: {built}.",
+             "- CUDA pip packages: " + (", ".join(packages) if packages
+                                        else "none (tensorflow[and-cuda] brings nvidia-cudnn-cu12 and the rest)."),
+             "- TensorFlow's reason, as it logs it (TF_CPP_MIN_LOG_LEVEL=0) while it looks for GPUs:"]
+    lines += [f"    {line}" for line in reasons[-25:]] or ["    (no line about CUDA or a GPU; its whole log:)"] + [
+        f"    {line}" for line in log.strip().splitlines()[-15:]]
+    return "\n".join(lines + [f"The usual fix: {FIX}"])
