@@ -107,7 +107,7 @@ def wrapped_calls(layers, make_call):
     finally:
         for layer, own in reversed(saved):
             if own is missing:
-                del layer.call
+                vars(layer).pop("call", None)  # absent where an interrupt came before it was set
             else:
                 layer.call = own
 

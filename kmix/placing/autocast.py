@@ -31,6 +31,7 @@ from kmix.policy import advice
 from kmix._tree import is_graph_model, own_weights, resolved_policy, walk
 from kmix.placing.rules import Kind, Rules
 from kmix.policy.policy import parse
+from kmix import _preserved
 
 _ROUNDS = 3  # checks that change the plan, at most, each followed by a new twin
 
@@ -109,6 +110,20 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
     given = float32_layers if advised is None else islands.merge(float32_layers, list(advised.targets))
     rules = Rules(policy, given)
     specs = trace.input_specs(model, advised.x if advised is not None else None)
+    # All or nothing: an error or an interrupt anywhere below puts the model back as it was
+    # (policies, classes, graph nodes, variables' storage, compiled functions, call wrappers).
+    with _preserved.Preserved(model, saved="none", storage=True, undo="on_error") as kept:
+        model, table = _place(model, rules, specs, copy, advised, policy, float32_layers)
+        advice.record_model(model, advised and advised.initial_scale, policy.name)  # what kmix.wrap reads
+        warn_if_unscaled(model, policy)
+        if verbose:
+            print(table)
+        kept.commit()
+    return (model, table) if return_table else model
+
+
+def _place(model, rules, specs, copy, advised, policy, float32_layers):
+    """autocast's work on the model: plan, place, check and repair; returns `(model, table)`."""
     model, plan = _model_and_plan(model, rules, specs, copy)
     before = {id(row.layer): (resolved_policy(row.layer).name, type(row.layer)) for row in plan}
 
@@ -132,11 +147,7 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
     if advised is not None:
         _explain(table, plan, advised.targets, float32_layers)
         _check_finite(model, advised)
-    advice.record_model(model, advised and advised.initial_scale, policy.name)  # what kmix.wrap reads
-    warn_if_unscaled(model, policy)
-    if verbose:
-        print(table)
-    return (model, table) if return_table else model
+    return model, table
 
 
 def _model_and_plan(model, rules, specs, copy):

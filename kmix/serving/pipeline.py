@@ -32,7 +32,7 @@ from kmix._output import progress
 from kmix.placing import autocast
 from kmix._tree import digest, walk
 from kmix.policy.policy import Policy
-from kmix.route import inplace
+from kmix import _preserved
 from kmix.serving import artifact, check, destination, half_weights, keras_file, storage
 from kmix.serving.report import ExportReport
 
@@ -137,7 +137,7 @@ def _export_in_place(model, targets, half, x, origin, float32_layers, say):
     artifact's, read back: its weights compared with the half copies it was
     written from (digests) and its outputs with float32's.
     """
-    with inplace.Preserved(model, saved="none") as kept:
+    with _preserved.Preserved(model, saved="none") as kept:
         expected = _float32_outputs(model, x, kept)
         _check_float32_finite(expected, model)
         say(f"kmix.export: placing {model.name!r} ({half}, in place for the export)")

@@ -1,0 +1,138 @@
+"""One save-and-restore of a model's state, for kmix's calls that must leave the model as they found it.
+
+`Preserved(model, saved, storage, undo)` holds what it takes to put the model back:
+
+- each layer's class and attributes, those of its graph's nodes and
+  operations and of its dtype policies (a keras-hub `DTypePolicyMap` is
+  changed in place): autocast sets policies, swaps classes and replaces
+  constants by assignment; restored by `restore_layers()`;
+- with `storage=True`, each variable's own storage and dtype (O2 / O3 give
+  variables half storage; the float32 storage is held, not copied);
+- unless `saved` is `"none"`, each variable's digest, and the values of
+  the variables `saved` names, written to a temporary directory one
+  variable at a time: `"all"`, or `"non-trainable"` (batch-norm
+  statistics, seed states). On exit the saved variables whose digest
+  changed are read back from there; an unsaved one that changed is an
+  error naming it;
+- what autocast recorded for `kmix.wrap` about the model's variables.
+
+`kmix.recommend` and `kmix.export` put everything back on exit; `kmix.autocast`
+(`undo="on_error"`) only when an exception, KeyboardInterrupt included, ends it.
+
+    >>> with Preserved(model, saved="none", storage=True, undo="on_error") as kept:
+    ...     place(model)
+    ...     kept.commit()               # all or nothing: from here on the placement stays
+"""
+
+import os
+import shutil
+import tempfile
+import warnings
+
+import numpy as np
+
+from kmix import _compat
+from kmix._tree import digest, walk
+from kmix.policy import advice
+
+
+class Preserved:
+    """A context that puts `model`'s layers, variables and kmix's records back as they were on entry (see the module).
+
+    `saved`: the variables whose values are kept to restore: `"all"`,
+    `"non-trainable"` (for a caller whose optimizer leaves the trainable ones
+    still: `kmix.recommend`; every variable's digest is checked on exit) or
+    `"none"` (for a caller that changes no variable's value, `kmix.export`
+    and `kmix.autocast`: the variables are neither read nor checked).
+    `storage`: also put back each variable's own storage and dtype (O2 and
+    O3 give variables new half storage; the float32 one is held, not copied,
+    until the exit). `undo`: `"always"`, or `"on_error"` (all or nothing: an
+    exception, KeyboardInterrupt included, puts everything back; `commit()`
+    keeps what was done).
+    """
+
+    SAVED = ("all", "non-trainable", "none")
+
+    def __init__(self, model, saved="all", storage=False, undo="always"):
+        if saved not in self.SAVED:
+            raise ValueError(f"`saved` must be one of {self.SAVED}. Received: saved={saved!r}")
+        self.model, self._saved, self._storage, self._undo = model, saved, storage, undo
+        self._objects, self._variables, self._digests, self._files, self._records = [], [], [], {}, None
+        self._dir = None
+
+    def commit(self):
+        """Keeps what was done: with `undo="on_error"`, the exit from here on puts nothing back."""
+        self._undo = "never"
+
+    def __enter__(self):
+        objects = _objects(self.model) + (list(self.model.variables) if self._storage else [])
+        self._objects = [(obj, _compat.object_state(obj)) for obj in objects]
+        self._variables = list(self.model.variables) if self._saved != "none" else []
+        self._records = advice.snapshot(self.model.variables)
+        trainable = {id(v) for v in self.model.trainable_variables}
+        self._dir = tempfile.mkdtemp(prefix="kmix-preserved-")
+        try:
+            for i, variable in enumerate(self._variables):
+                value = np.asarray(variable.numpy())
+                self._digests.append(digest(value))
+                if self._saved == "all" or (self._saved == "non-trainable" and id(variable) not in trainable):
+                    self._files[i] = os.path.join(self._dir, f"{i}.npy")
+                    np.save(self._files[i], value)
+        except BaseException:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+        return self
+
+    def restore_layers(self):
+        """Gives every layer, graph node and operation its class and attributes back."""
+        for obj, state in self._objects:
+            _compat.restore_object_state(obj, state)
+
+    def changed_variables(self):
+        """The variables whose value differs from the one on entry."""
+        return [v for v, d in zip(self._variables, self._digests) if digest(v) != d]
+
+    def __exit__(self, *exc):
+        if self._undo == "never" or (self._undo == "on_error" and exc[0] is None):
+            shutil.rmtree(self._dir, ignore_errors=True)
+            return False
+        lost = []
+        try:
+            self.restore_layers()
+            for i, (variable, before) in enumerate(zip(self._variables, self._digests)):
+                if digest(variable) == before:
+                    continue
+                if i in self._files:
+                    variable.assign(np.load(self._files[i]))
+                else:
+                    lost.append(variable.path)
+            advice.restore(self._records)
+        finally:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        if lost:
+            message = (f"{len(lost)} variables of model {self.model.name!r} changed where kmix kept no copy of "
+                       f"them (it kept {self._saved!r}): {lost[:8]}. This is a kmix bug: please report it with "
+                       "the model.")
+            if exc[0] is None:
+                raise RuntimeError(message)
+            warnings.warn(message, stacklevel=2)  # the error in flight stays the one raised
+        return False
+
+
+def _objects(model):
+    """The model, every layer inside it, and each functional graph's nodes and operations."""
+    found, seen = [], set()
+
+    def add(obj):
+        if id(obj) not in seen and hasattr(obj, "__dict__"):
+            seen.add(id(obj))
+            found.append(obj)
+
+    for layer in [model] + [row[1] for row in walk(model)]:
+        add(layer)
+        add(layer.dtype_policy)  # a DTypePolicyMap is shared by a backbone's layers and changed in place
+        if _compat.is_functional(layer):
+            for node in _compat.graph_nodes(layer):
+                add(node)
+                add(_compat.node_call(node)[0])
+    return found
