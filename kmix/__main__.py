@@ -8,6 +8,7 @@ import sys
 BENCHES = {
     "allreduce": "kmix.benchmarks.allreduce",
     "gpu": "kmix.benchmarks.gpu",
+    "lora": "kmix.benchmarks.lora",
     "memory": "kmix.benchmarks.memory",
     "overhead": "kmix.benchmarks.overhead",
     "predict": "kmix.benchmarks.predict",

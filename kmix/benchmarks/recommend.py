@@ -148,13 +148,16 @@ def trial(size, batch_size, budget_s, hand_rounds, hand_steps, probe_shape=None,
     strict = decide_routes(table, rec.probe, facts.gpus(), facts.cpu_features(), facts.onednn_enabled(),
                            tie="float32")
     routes = [(r.policy, r.jit_compile) for r in table.routes]
+    # A pick the budget left untimed (the probe's route) is hand-timed too, so that it can be scored.
+    routes += [pick for pick in {(rec.policy, rec.jit_compile), (strict.policy, strict.jit_compile)}
+               if pick not in routes]
     hand = hand_time(model, x[:batch_size], y[:batch_size], routes, hand_rounds, hand_steps)
     return {
         "load": load,
         "pick": [rec.policy, rec.jit_compile],
         "strict_pick": [strict.policy, strict.jit_compile],
         "tie": any("tie rule" in reason for reason in rec.reasons),
-        "rounds": {_label(route): len(r.seconds) for route, r in zip(routes, table.routes)},
+        "rounds": {_label(route): len(r.seconds) for route, r in zip(routes, table.routes)},  # timed ones only
         "recommend_ms": {_label(route): statistics.median(r.seconds) * 1e3 for route, r in zip(routes, table.routes)},
         "hand_ms": {_label(route): statistics.median(v) * 1e3 for route, v in hand.items()},
         "seconds": seconds,

@@ -1,14 +1,185 @@
-"""The batch `kmix.recommend` times, checked at the call: it fits the model, and what it holds.
+"""What `kmix.recommend` receives, checked at the call: the batch it times, the loss and the optimizer.
 
-A batch that does not fit the model is refused before anything is timed,
-naming the argument; one holding NaN or inf is timed (a skipped step costs
-what a step costs), and the recommendation says so.
+Bad arguments are refused before anything is timed, naming the argument: a
+batch of 0 rows, targets whose rows do not match the inputs', inputs the
+model cannot take, an optimizer that is none. A batch holding NaN or inf is
+timed (a skipped step costs what a step costs), and the recommendation says
+so. Every route compiles with a fresh optimizer of the user's settings at
+learning rate 0 (`fresh_optimizer`, `still_at_zero`).
 
+    >>> x, y, described = first_batch(x_train, y_train, None, 32)   # "a batch of 32 rows"
     >>> check_fits(model, x, "x")          # ValueError naming `x` when the model cannot take it
     >>> nonfinite_notes((x, y, "a batch"))  # [] or one line per argument holding NaN / inf
 """
 
 import numpy as np
+
+BATCH_SIZE = 32  # rows timed when `batch_size` is not given, as `fit`'s default
+
+
+def first_batch(x, y, sample, batch_size):
+    """One batch `(x, y, description)` of tensors from what `kmix.recommend` received.
+
+    Args:
+        x, y: arrays (or structures of them) with one row per example, or
+            `x` a `tf.data.Dataset` of `(x, y)` batches and `y` None.
+        sample: instead of `x`, `y`: one batch `(x, y)` or a dataset.
+        batch_size: rows timed from arrays (`BATCH_SIZE` when None).
+
+    Returns:
+        `(x, y, description)`. A ValueError naming the argument where the
+        batch has no rows or `y`'s rows do not match `x`'s.
+    """
+    import keras
+    import tensorflow as tf
+
+    if sample is not None:
+        if x is not None or y is not None:
+            raise ValueError("Pass the data as `x=`, `y=` or as `sample=`, not both. "
+                             f"Received: sample and x={type(x).__name__}, y={type(y).__name__}.")
+        if isinstance(sample, tf.data.Dataset):
+            return _dataset_batch(sample, "sample")
+        if isinstance(sample, (tuple, list)) and len(sample) in (2, 3):
+            _check_rows(sample[0], sample[1], "sample's x", "sample's y")
+            return _tensors(sample[0]), _tensors(sample[1]), "the batch given"
+        raise TypeError("`sample` must be a batch `(x, y)` or a `tf.data.Dataset` of batches. "
+                        f"Received: sample of type {type(sample).__name__}.")
+    if isinstance(x, tf.data.Dataset):
+        return _dataset_batch(x, "x")
+    if x is None or y is None:
+        raise ValueError("`kmix.recommend(model, ...)` times your training step on your data: pass "
+                         f"`x=` and `y=`, `sample=(x, y)` or a dataset. Received: x={type(x).__name__}, "
+                         f"y={type(y).__name__}.")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
+                                   or batch_size < 1):
+        raise ValueError(f"`batch_size` must be a positive int. Received: batch_size={batch_size!r}")
+    _check_rows(x, y, "x", "y")  # on the arrays as given: only the rows timed are converted
+    rows = BATCH_SIZE if batch_size is None else int(batch_size)
+    take = lambda t: t[:rows]  # noqa: E731
+    x, y = _tensors(keras.tree.map_structure(take, x)), _tensors(keras.tree.map_structure(take, y))
+    return x, y, f"a batch of {_rows(x, 'x')} rows"
+
+
+def _dataset_batch(dataset, name):
+    batch = next(iter(dataset), None)
+    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+        raise ValueError("The dataset must yield batches `(x, y)` (or `(x, y, sample_weight)`). "
+                         f"Received: {name}=a dataset whose first element is of type {type(batch).__name__}.")
+    _check_rows(batch[0], batch[1], f"{name}'s first batch's x", f"{name}'s first batch's y")
+    return _tensors(batch[0]), _tensors(batch[1]), "the dataset's first batch"
+
+
+def _check_rows(x, y, x_name, y_name):
+    """A ValueError naming the argument where `x` has no rows, or `y`'s rows differ from `x`'s."""
+    rows = _rows(x, x_name)
+    if rows == 0:
+        raise ValueError(f"`{x_name}` holds 0 rows: kmix.recommend times a training step on at least one. "
+                         f"Received: {x_name} with {_shapes(x)}.")
+    if _rows(y, y_name) != rows:
+        raise ValueError(f"`{y_name}` must have one row per row of `{x_name}` ({rows}). Received: {y_name} with "
+                         f"{_shapes(y)}, {x_name} with {_shapes(x)}.")
+
+
+def _rows(data, name):
+    """The rows every array of `data` has; a ValueError naming `name` where they differ or one has no axis."""
+    import keras
+
+    shapes = [_shape(t) for t in keras.tree.flatten(data)]
+    rows = {shape[0] if shape else None for shape in shapes}
+    if None in rows or len(rows) != 1:
+        raise ValueError(f"`{name}` must hold arrays of one row per example, the same rows in each. "
+                         f"Received: {name} with {_shapes(data)}.")
+    return rows.pop()
+
+
+def _shape(array):
+    shape = getattr(array, "shape", None)
+    return tuple(np.shape(array) if shape is None else shape)
+
+
+def _tensors(data):
+    import keras
+    import tensorflow as tf
+
+    return keras.tree.map_structure(tf.convert_to_tensor, data)
+
+
+def check_optimizer(optimizer):
+    """`optimizer` as `kmix.recommend` takes it, or an error naming it.
+
+    Args:
+        optimizer: None, a Keras optimizer (a loss-scale one included), its
+            name (`"adamw"`) or its config dict.
+
+    Returns:
+        `optimizer`, unchanged.
+    """
+    import keras
+
+    if optimizer is None or isinstance(optimizer, keras.optimizers.Optimizer):
+        return optimizer
+    if isinstance(optimizer, (str, dict)):
+        try:
+            keras.optimizers.get(optimizer)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"`optimizer` names no Keras optimizer ({type(e).__name__}: {str(e)[:200]}). "
+                             f"Received: optimizer={optimizer!r}") from None
+        return optimizer
+    raise TypeError("`optimizer` must be a Keras optimizer, its name (e.g. \"adamw\") or its config dict. "
+                    f"Received: optimizer={optimizer!r} of type {type(optimizer).__name__}.")
+
+
+def training_setup(model, loss, optimizer):
+    """The loss and optimizer each route compiles with: the arguments, else the model's compile."""
+    import keras
+
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model. Received: model of type {type(model).__name__}.")
+    loss = loss if loss is not None else getattr(model, "loss", None)
+    if loss is None:
+        raise ValueError(f"kmix.recommend times the training step of model {model.name!r}, which needs its "
+                         "loss: compile the model first, or pass `loss=`. Received: loss=None.")
+    optimizer = check_optimizer(optimizer) if optimizer is not None else getattr(model, "optimizer", None)
+    return loss, optimizer if optimizer is not None else "adam"
+
+
+def fresh_optimizer(optimizer, learning_rate=None):
+    """A new optimizer with `optimizer`'s settings (the inner one of a loss-scale optimizer).
+
+    `learning_rate`, when given, replaces the configured one (a schedule included).
+    """
+    import keras
+
+    if isinstance(optimizer, (str, dict)):
+        optimizer = keras.optimizers.get(optimizer)
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    config = optimizer.get_config()
+    if learning_rate is not None:
+        config["learning_rate"] = learning_rate
+    return optimizer.__class__.from_config(config)
+
+
+def still_at_zero(optimizer):
+    """Whether `optimizer`'s kind, at learning rate 0, leaves a variable bit for bit as it was.
+
+    Tried on a scratch variable, two steps of a gradient drawn at random
+    (Keras's optimizers, weight decay included, scale every update by the
+    learning rate; FTRL divides by it, and an optimizer of the user's may
+    do anything). `recommend` then keeps no copy of the trainable weights.
+    """
+    import tensorflow as tf
+
+    try:
+        probe = fresh_optimizer(optimizer, learning_rate=0.0)
+        rng = np.random.default_rng(0)
+        start = rng.standard_normal((4, 3)).astype("float32")
+        variable = tf.Variable(start)
+        for _ in range(2):
+            probe.apply_gradients([(tf.constant(rng.standard_normal((4, 3)).astype("float32")), variable)])
+        return bool(np.array_equal(variable.numpy(), start))
+    except Exception:  # noqa: BLE001  an optimizer that cannot step a scratch variable: keep the copy
+        return False
 
 
 def check_fits(model, x, name):
@@ -64,7 +235,7 @@ def _nonfinite(tensor):
 def _shapes(x):
     import keras
 
-    shapes = [tuple(t.shape) for t in keras.tree.flatten(x)]
+    shapes = [_shape(t) for t in keras.tree.flatten(x)]
     return f"shape {shapes[0]}" if len(shapes) == 1 else f"shapes {shapes}"
 
 

@@ -24,18 +24,24 @@ more than 3% to be worth its rounding, and float16 must beat bfloat16
 beyond the noise to be worth its loss scaling. Before the tie rule is
 reached, the trials give the unsettled comparisons more rounds while the
 budget lasts (`unsettled`). The probe (`tie="float32"`, `min_gain` 1.1) is
-a synthetic step: its edge must be clear to carry over to a model.
+a synthetic step: its edge must be clear to carry over to a model. It also
+says which routes are worth timing on a model (`candidates`: half dtypes
+at least `CANDIDATE` times float32's speed) and in what order
+(`build_order`: float32's reference, then the best half route, then the
+rest), so that a budget too short for every route times the likeliest.
 """
 
 import dataclasses
 
 from kmix.route import timing
+from kmix.route.probe import DTYPES
 
 MIN_SPEEDUP = 1.1  # the probe: a half dtype must beat float32 by this much to be worth its rounding
 # The probe: float16 is chosen over bfloat16 only when this much faster: it needs loss scaling
 # and overflows at 65504, where bfloat16 has float32's range.
 FLOAT16_MARGIN = 1.25
 TIES = ("median", "float32")
+CANDIDATE = 0.85  # a half dtype is timed on the model when the probe ran it at least this fast as float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,3 +184,67 @@ def _settled(a, b):
     """Whether it is settled that `b` is faster than `a` beyond the noise, or by at most `NOISE_FLOOR`."""
     low, ratio, high = timing.bounds(a, b)
     return ratio > 1 + max(ratio - low, timing.NOISE_FLOOR) or high <= 1 + timing.NOISE_FLOOR
+
+
+def candidates(probe):
+    """The dtypes worth timing on a model, from a probe: `(dtypes, [(dtype, why not), ...])`."""
+    f32 = probe.best("float32")[0]
+    chosen, skipped = ["float32"], []
+    for half in ("bfloat16", "float16"):
+        rate = max((probe.rate(half, jit) for jit in (False, True) if (half, jit) not in probe.screened),
+                   default=0.0)
+        if rate < CANDIDATE * f32:
+            skipped.append((half, f"the probe ran it at {rate / f32:.2f}x float32's best "
+                                  f"({rate:.3g} against {f32:.3g} GFLOP/s), under {CANDIDATE}x"))
+        elif half == "float16" and "bfloat16" in chosen and rate <= probe.best("bfloat16")[0]:
+            skipped.append((half, f"no faster than bfloat16 on the probe ({rate:.3g} against "
+                                  f"{probe.best('bfloat16')[0]:.3g} GFLOP/s), which needs no loss scaling"))
+        else:
+            chosen.append(half)
+    return chosen, skipped
+
+
+def check_dtypes(dtypes):
+    """`dtypes` as `recommend` times them: float32 (the reference) first, then the halves named."""
+    dtypes = [dtypes] if isinstance(dtypes, str) else list(dtypes)
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown or not dtypes:
+        raise ValueError(f"`dtypes` must name some of {DTYPES}. Received: dtypes={dtypes!r}")
+    return ["float32"] + [d for d in DTYPES[1:] if d in dtypes]  # float32 is the reference
+
+
+def build_order(routes, probe=None, default_jit=False):
+    """The order `kmix.route.trials.time_routes` builds `routes` in, best first by the device's probe.
+
+    float32's route comes first: every ratio divides by it (its compilation
+    the probe's faster one beyond the noise, else Keras's default, as
+    `best` picks). Then the probe's best half route, so that a budget that
+    covers two routes compares float32 with the half route most likely to
+    win; then the rest, fastest on the probe first.
+
+    Args:
+        routes: `(policy, jit_compile)` pairs.
+        probe: the device's `kmix.device.Probe`, or None: then Keras's
+            default compilation first, float32 first within each.
+        default_jit: Keras's default compilation here (True with a GPU).
+
+    Returns:
+        A list holding each of `routes` once.
+    """
+    routes = list(dict.fromkeys(routes))
+    if probe is None:
+        return sorted(routes, key=lambda r: (r[1] != default_jit, r[0] != "float32"))
+    rate = lambda route: probe.rate(dtype_of(route[0]), route[1])  # noqa: E731
+    float32 = [r for r in routes if r[0] == "float32"]
+    order = []
+    if float32:
+        jit = best({c: t for c, t in probe.times().items() if c[0] == "float32"}, "float32", default_jit)[1]
+        order.append(("float32", jit) if ("float32", jit) in float32 else float32[0])
+    halves = sorted((r for r in routes if r[0] != "float32"), key=rate, reverse=True)
+    order += halves[:1]
+    return order + sorted((r for r in routes if r not in order), key=rate, reverse=True)
+
+
+def dtype_of(policy):
+    """The compute dtype of a route's policy: `"O1-bfloat16"` -> `"bfloat16"`, `"float32"` -> `"float32"`."""
+    return policy.rsplit("-", 1)[-1]

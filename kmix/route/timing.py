@@ -18,7 +18,8 @@ rules keep the answer steady:
   `NOISE_FLOOR`). Unlike a quartile, the bound closes in on the median as
   rounds are added, so more rounds can settle what a few could not;
 - after `min_rounds`, only the configurations the caller still needs
-  (`more`) get further rounds, while the budget lasts.
+  (`more`) get further rounds, while the budget lasts; `hard_s` stops
+  even the minimum, where a caller's budget must hold under any load.
 
     >>> rounds = run_rounds({"a": step_a, "b": step_b}, steps={"a": 4, "b": 4}, budget_s=2.0)
     >>> ratio, noise = paired(rounds["a"], rounds["b"])   # > 1 + noise: b is faster
@@ -30,8 +31,8 @@ import time
 
 NOISE_FLOOR = 0.03  # no measured noise below 3%: a single machine's timings are not steadier than that
 CONFIDENCE = 0.9  # one-sided, for each bound of the median ratio
-MIN_ROUNDS = 3
-MAX_ROUNDS = 15
+MIN_ROUNDS = 5  # of every configuration compared: fewer ratios tell too little about the noise
+MAX_ROUNDS = 30  # where the noise keeps a comparison open, it stays open
 
 
 def median(values):
@@ -102,7 +103,7 @@ def paired(a, b):
 
 
 def run_rounds(calls, steps, budget_s, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS, more=None, report=None,
-               clock=time.perf_counter):
+               clock=time.perf_counter, hard_s=None):
     """Times `calls` in interleaved rounds; returns `{key: [seconds per step, one per round]}`.
 
     Args:
@@ -118,12 +119,16 @@ def run_rounds(calls, steps, budget_s, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROU
             timed no more; none: done). Without it every key goes on.
         report: optional `fn(round_number)` called after each round.
         clock: seconds now (`time.perf_counter`; a simulation passes its own).
+        hard_s: optional seconds after which no round starts but the first,
+            `min_rounds` or not (the rounds per key say how many ran).
     """
     rounds = {key: [] for key in calls}
     live = list(calls)
     start = clock()
     r = 0
     while live and r < max_rounds and (r < min_rounds or clock() - start < budget_s):
+        if r and hard_s is not None and clock() - start >= hard_s:
+            break
         shift = r % len(live)
         for key in live[shift:] + live[:shift]:
             begin = clock()

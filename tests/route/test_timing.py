@@ -104,3 +104,19 @@ def test_the_minimum_is_kept_past_the_budget_and_settled_rounds_stop():
     start = now[0]
     rounds = timing.run_rounds(calls, {"x": 1, "y": 1}, budget_s=1e9, min_rounds=5, more=lambda r: [], clock=clock)
     assert [len(v) for v in rounds.values()] == [5, 5] and now[0] - start == 10.0  # settled: stops at once
+
+
+def test_the_rounds_stop_at_the_hard_limit_whatever_the_minimum():
+    now = [0.0]
+
+    def step():
+        now[0] += 1.0
+
+    calls = {"a": step, "b": step}
+    rounds = timing.run_rounds(calls, {"a": 1, "b": 1}, budget_s=0.0, min_rounds=5, hard_s=3.0,
+                               clock=lambda: now[0])
+    # Rounds start at 0, 2 and 4 s: the third begins past the 3 s limit, so two rounds ran, not five.
+    assert [len(v) for v in rounds.values()] == [2, 2] and now[0] == 4.0
+    rounds = timing.run_rounds(calls, {"a": 1, "b": 1}, budget_s=0.0, min_rounds=5, hard_s=0.0,
+                               clock=lambda: now[0])
+    assert [len(v) for v in rounds.values()] == [1, 1]  # the first round always: every route shows its step

@@ -1,0 +1,295 @@
+"""The decision as `kmix.recommend` gives it: a `Recommendation` whose reasons quote the figures (pure).
+
+`decide` reads the device's probe (a transformer MLP's step per dtype and
+compilation); `decide_routes` reads the trials of the user's own step
+(`kmix.route.trials.RouteTable`), and where the budget timed no half route
+there, hands the decision to the probe and says so. Both pick by
+`kmix.route.rule.choose`; this module writes the reasons.
+
+    >>> rec = decide_routes(table, probe, facts.gpus(), facts.cpu_features(), facts.onednn_enabled())
+    >>> rec.policy, rec.jit_compile, rec.reasons
+"""
+
+import dataclasses
+
+from kmix.route import facts, rule, timing, trials
+from kmix.route.probe import DTYPES, SCREEN
+from kmix.route.rule import FLOAT16_MARGIN, MIN_SPEEDUP, choose
+
+
+@dataclasses.dataclass(frozen=True)
+class Recommendation:
+    """The route `kmix.recommend` picks, with the measured reasons.
+
+    Attributes:
+        policy: `"O1-bfloat16"`, `"O1-float16"` or `"float32"`: a spec that
+            `kmix.autocast`, `kmix.policy_scope` and `kmix.set_policy`
+            accept as it is (and that `kmix.wrap`, called in its scope,
+            follows). O1: half matmuls; normalization, softmax and the
+            model's outputs in float32 (Keras's `mixed_<half>` plus float32
+            outputs).
+        jit_compile: the `jit_compile` to pass to `model.compile`.
+        reasons: lines that quote the measured figures and the device facts.
+        loss_scaling: whether the policy needs a dynamic loss scale (float16).
+        probe: the `kmix.device.Probe` measured (the decision's figures
+            without a model; which half dtypes to try on a model).
+        table: with a model, the `RouteTable` of its training step on each
+            route (None otherwise).
+
+    `print(rec)` shows the route, the reasons and the table.
+    """
+
+    policy: str
+    jit_compile: bool
+    reasons: tuple
+    loss_scaling: bool
+    probe: object = None
+    table: object = None
+
+    def __str__(self):
+        lines = [f"Recommended: policy {self.policy!r}, jit_compile={self.jit_compile}"]
+        lines += [f"  - {reason}" for reason in self.reasons]
+        if self.table is not None:
+            lines.append(str(self.table))
+        return "\n".join(lines)
+
+
+def policy_name(dtype):
+    """The policy `kmix.recommend` gives for a compute dtype: `"float32"` or `"O1-<half>"`."""
+    return "float32" if dtype == "float32" else f"O1-{dtype}"
+
+
+def decide(probe, gpus, cpu, onednn=None):
+    """The recommendation from the MLP probe and the device facts (pure).
+
+    Args:
+        probe: a `kmix.device.Probe`.
+        gpus: `kmix.device.gpus()`: dicts with `name`, `compute_capability`.
+        cpu: `kmix.device.cpu_features()`.
+        onednn: whether oneDNN is on (None: unknown).
+
+    Returns:
+        A `Recommendation`.
+    """
+    choice = choose(probe.times(), bool(gpus), MIN_SPEEDUP, FLOAT16_MARGIN, tie="float32")
+    (dtype, jit), (_, ref_jit) = choice.route, choice.reference
+    reasons = [facts.describe(gpus, cpu, onednn)]
+    reasons.append(
+        f"Measured on {probe.device} ({_shape(probe)}), GFLOP/s as tf.function / XLA: "
+        + "; ".join(f"{d} {_g(probe.rate(d, False))} / {_g(probe.rate(d, True))}" for d in DTYPES)
+        + "."
+    )
+    f32 = probe.rate("float32", ref_jit)
+    if dtype == "float32":
+        halves = [f"{h} {g.ratio:.2f}x (noise {g.noise:.0%})" for h, g in choice.gains.items()]
+        reasons.append(
+            f"No half dtype is {MIN_SPEEDUP}x faster than float32's best ({_g(f32)} GFLOP/s) beyond the "
+            f"noise ({', '.join(halves) or f'each half dtype ran over {SCREEN}x slower on a first call'}): float32, "
+            "which has no rounding or overflow to manage."
+        )
+    elif dtype == "bfloat16":
+        gain, noise = choice.gains["bfloat16"].ratio, choice.gains["bfloat16"].noise
+        reasons.append(
+            f"bfloat16 runs {gain:.2f}x float32's best (noise {noise:.0%}){_vs_float16(probe)}: O1 with "
+            "bfloat16 (float32's range: no loss scaling; kmix.wrap keeps a fixed scale of 1 and still "
+            "skips non-finite steps)."
+        )
+    else:
+        gain, noise = choice.gains["float16"].ratio, choice.gains["float16"].noise
+        versus = probe.best("float16")[0] / max(probe.best("bfloat16")[0], 1e-9)
+        reasons.append(
+            f"float16 runs {gain:.2f}x float32's best (noise {noise:.0%}) and {versus:.2f}x bfloat16's: O1 "
+            "with float16, which needs loss scaling: compile with kmix.wrap(optimizer) and keep softmax and "
+            "masks in float32 (kmix.autocast does)."
+        )
+    rate = lambda c: f"{_g(probe.rate(*c))} GFLOP/s"  # noqa: E731
+    reasons.append(_compilation_line(choice.route, probe.times(), rate, bool(gpus))
+                   + _xla_note(dtype, jit, gpus, onednn))
+    return _recommendation(dtype, jit, reasons, probe)
+
+
+def decide_routes(table, probe, gpus, cpu, onednn=None, tie="median"):
+    """The recommendation from the trials of the user's model (pure; the rule is `kmix.route.rule`'s).
+
+    Where the budget timed no half route of those asked for, the device's
+    probe decides (`decide`), with the model's timings shown; without a
+    probe, float32 as timed. The reasons say which.
+
+    Args:
+        table: a `RouteTable` from `kmix.route.trials.time_routes`.
+        probe: the `kmix.device.Probe` that chose the candidates, or None.
+        gpus, cpu, onednn: the device facts, as for `decide`.
+        tie: what decides a half route the rounds could not separate from
+            float32 (`kmix.route.rule.choose`): `"median"`, the default, or
+            `"float32"` (`bench recommend` measures both).
+
+    Returns:
+        A `Recommendation` whose `table` marks the route chosen (none where
+        the probe's route was not timed).
+    """
+    times = table.times()
+    index = {(r.dtype, r.jit_compile): i for i, r in enumerate(table.routes)}
+    if no_half_timed(table):
+        return _from_probe(table, probe, gpus, cpu, onednn, index)
+    choice = choose(times, bool(gpus), 1.0, 1.0, tie=tie)
+    table = dataclasses.replace(table, chosen=index[choice.route], reference=index[choice.reference])
+    (dtype, jit), ref = choice.route, table.routes[index[choice.reference]]
+    ms = lambda c: f"{timing.median(times[c]) * 1e3:.2f} ms"  # noqa: E731
+    reasons = [facts.describe(gpus, cpu, onednn), _rounds_line(table)]
+    floor = f"{timing.NOISE_FLOOR:.0%}"
+    if dtype == "float32" and not choice.gains:
+        why = (f"the device's probe ran {' and '.join(d for d, _ in table.skipped)} too slowly to be worth timing "
+               "(below the table)" if table.skipped else "only float32 was asked for (dtypes=)")
+        reasons.append(f"No half route was timed: {why}. float32 ({_reference(ref, times)}).")
+    elif dtype == "float32":
+        halves = [f"{policy_name(h)}, {_compiled(g.route[1])} {g.ratio:.2f}x ({_interval(g)})"
+                  for h, g in choice.gains.items()]
+        reasons.append(f"No half route beats float32's reference route ({_reference(ref, times)}) beyond "
+                       f"the measured noise and by more than {floor} ({'; '.join(halves)}): float32.")
+    else:
+        g = choice.gains[dtype]
+        scaling = ("no loss scaling" if dtype == "bfloat16" else
+                   "with a dynamic loss scale: compile with kmix.wrap(optimizer)")
+        if g.beyond_noise:
+            why = f"beyond the measured noise ({g.noise:.0%})"
+        else:
+            why = (f"faster in the median by more than {floor}, though the rounds could not separate "
+                   f"them beyond the noise ({_interval(g)}): the tie rule picks the faster median")
+        reasons.append(f"{policy_name(dtype)} runs {g.ratio:.2f}x float32's reference route "
+                       f"({_reference(ref, times)}), {why}: {scaling}.")
+    undecided = [h for h, g in choice.gains.items() if not g.settled]
+    if undecided and dtype == "float32":
+        kept = ("the tie rule (tie='float32') keeps float32" if choice.tie else
+                f"none is more than {floor} faster in the median, so float32 is kept (no rounding for nothing)")
+        reasons.append(f"The rounds could not separate {', '.join(policy_name(h) for h in undecided)} from float32 "
+                       f"beyond the noise: {kept}. A longer budget_s, or a quieter machine, may settle it.")
+    reasons.append(_compilation_line(choice.route, times, lambda c: f"{ms(c)} a step", bool(gpus)))
+    if table.over_budget:
+        first = max(table.routes, key=lambda r: r.setup_s)
+        reasons.append(f"{_budget(table)} could not cover building and compiling "
+                       f"{'; '.join(label for label, _ in table.over_budget)} (building and compiling "
+                       f"{first.label} took {first.setup_s:.1f} s): recommended from the {len(table.routes)} "
+                       f"route(s) measured. {_budget_advice(table)}")
+    return _recommendation(dtype, jit, reasons, probe, table)
+
+
+def _from_probe(table, probe, gpus, cpu, onednn, index):
+    """No half route timed on the model: the device probe's route (float32 as timed without a probe)."""
+    reference = rule.best(table.times(), "float32", bool(gpus))
+    timed = "; ".join(f"{r.label}, {timing.median(r.seconds) * 1e3:.2f} ms a step" for r in table.routes)
+    untimed = "; ".join(trials.label(route) for route in table.untimed())
+    spent = (f"On your model, {_budget(table)} timed {timed} (the table below, {_rounds(table)}) and no half "
+             f"route: {untimed} not built.")
+    if probe is None:
+        table = dataclasses.replace(table, chosen=index[reference], reference=index[reference])
+        reasons = [facts.describe(gpus, cpu, onednn),
+                   f"{spent} No device probe to decide from (dtypes= given, probe=None): float32 as timed, "
+                   f"untested against the half routes. {_budget_advice(table)}"]
+        return _recommendation("float32", reference[1], reasons, None, table)
+    rec = decide(probe, gpus, cpu, onednn)
+    dtype = rec.policy.rsplit("-", 1)[-1]
+    table = dataclasses.replace(table, chosen=index.get((dtype, rec.jit_compile)), reference=index[reference])
+    note = (f"{spent} The route above is therefore this device's probe's, not measured on your model. "
+            f"{_budget_advice(table)}")
+    return _recommendation(dtype, rec.jit_compile, rec.reasons + (note,), probe, table)
+
+
+def no_half_timed(table):
+    """Whether the budget left every half route of `table` unbuilt (and some were asked for)."""
+    return (any(policy != "float32" for policy, _ in table.untimed())
+            and all(r.dtype == "float32" for r in table.routes))
+
+
+def _rounds(table):
+    """`"5 interleaved rounds each"`, `"3 to 7 ..."`, `"1 round"`: what each route of `table` got."""
+    counts = sorted({len(r.seconds) for r in table.routes})
+    if counts == [1]:
+        return "1 round" + (" each" if len(table.routes) > 1 else "")
+    shown = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
+    return f"{shown} interleaved rounds" + (" each" if len(table.routes) > 1 else "")
+
+
+def _rounds_line(table):
+    """The reason that says what was timed, and where the rounds fell short of the minimum, that they did."""
+    n = len(table.routes)
+    line = f"Timed your model's training step on {table.batch}: {n} route{'s' if n != 1 else ''}, {_rounds(table)}"
+    fewest = min(len(r.seconds) for r in table.routes)
+    if fewest >= trials.MIN_ROUNDS or len(table.routes) < 2:
+        return line + " (the table below)."
+    return (line + f" (the table below): fewer than the {trials.MIN_ROUNDS} a comparison aims for, as budget_s ran "
+            f"out (the rounds stop at {1 + trials.OVERRUN:g}x budget_s), so the ratios are rough.")
+
+
+def _budget(table):
+    return "the budget" if table.budget_s is None else f"budget_s={table.budget_s:g}"
+
+
+def _budget_advice(table):
+    """What budget_s would time the routes left out, at this call's pace, and what it cannot promise."""
+    xla = any(jit for _, jit in table.untimed()) and not any(r.jit_compile for r in table.routes)
+    guess = f"; an XLA compile, not measured here, taken as {trials.XLA_BUILD:g} builds, may take longer" if xla else ""
+    return (f"At this call's pace, timing them too would take a budget_s of {table.needed_s():.0f} s or more "
+            f"({table.before_s:.0f} s before building, then each build and {trials.MIN_ROUNDS} rounds of every "
+            f"route as measured{guess}); a busier machine needs more.")
+
+
+def _reference(route, times):
+    """The float32 reference route as the table marks it, and why it is the one every ratio divides."""
+    step = f"{timing.median(times[(route.dtype, route.jit_compile)]) * 1e3:.2f} ms a step"
+    other = (route.dtype, not route.jit_compile)
+    if other not in times:
+        return f"{route.label}, {step}, the only float32 route timed"
+    ratio = timing.paired(times[other], times[(route.dtype, route.jit_compile)])[0]
+    if ratio > 1 + timing.NOISE_FLOOR:
+        return f"{route.label}, {step}, {ratio:.2f}x the other compilation round by round"
+    return (f"{route.label}, {step}: Keras's default compilation, within {timing.NOISE_FLOOR:.0%} of "
+            f"{_compiled(not route.jit_compile)} round by round ({ratio:.2f}x)")
+
+
+def _interval(gain):
+    """`"between 0.95x and 1.30x round by round"`: a ratio's confidence interval."""
+    return f"between {gain.low:.2f}x and {gain.high:.2f}x round by round, at least {timing.CONFIDENCE:.0%} each side"
+
+
+def _recommendation(dtype, jit, reasons, probe, table=None):
+    policy = policy_name(dtype)
+    return Recommendation(policy, bool(jit), tuple(reasons), dtype == "float16", probe, table)
+
+
+def _compiled(jit):
+    return "XLA" if jit else "tf.function"
+
+
+def _compilation_line(route, times, shown, gpu):
+    """Why `route`'s compilation: its figure against the other one's, round by round."""
+    (dtype, jit), other = route, (route[0], not route[1])
+    if other not in times:
+        return f"{dtype} timed as {_compiled(jit)} only ({shown(route)}): jit_compile={jit}."
+    ratio = timing.paired(times[other], times[route])[0]
+    why = (f"{ratio:.2f}x round by round" if ratio > 1 + timing.NOISE_FLOOR else
+           f"{ratio:.2f}x round by round, within {timing.NOISE_FLOOR:.0%}: Keras's default, {_compiled(gpu)}")
+    return (f"{dtype} as {_compiled(jit)}: {shown(route)} against {shown(other)} as {_compiled(not jit)} "
+            f"({why}): jit_compile={jit}.")
+
+
+def _g(rate):
+    """A rate in GFLOP/s as printed: whole numbers, or 2 significant digits below 10."""
+    return f"{rate:.0f}" if rate >= 10 else f"{rate:.2g}"
+
+
+def _shape(probe):
+    m, k, n = probe.shape
+    rows = probe.rows or m
+    return f"training step of an MLP x + gelu(x @ w1 + b1) @ w2, x {rows}x{k}, w1 {k}x{n}"
+
+
+def _vs_float16(probe):
+    bf16, f16 = probe.best("bfloat16")[0], probe.best("float16")[0]
+    return f" and {bf16 / max(f16, 1e-9):.2f}x float16's"
+
+
+def _xla_note(dtype, jit, gpus, onednn):
+    if gpus or jit or dtype != "bfloat16" or not onednn:
+        return ""
+    return (" XLA:CPU does not use oneDNN's bfloat16 kernels (TensorFlow 2.21; "
+            "--xla_cpu_use_onednn changes nothing), so bfloat16 wants the tf.function route.")
