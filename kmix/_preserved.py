@@ -24,9 +24,12 @@
     ...     kept.commit()               # all or nothing: from here on the placement stays
 """
 
+import contextlib
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import warnings
 
 import numpy as np
@@ -98,15 +101,16 @@ class Preserved:
             return False
         lost = []
         try:
-            self.restore_layers()
-            for i, (variable, before) in enumerate(zip(self._variables, self._digests)):
-                if digest(variable) == before:
-                    continue
-                if i in self._files:
-                    variable.assign(np.load(self._files[i]))
-                else:
-                    lost.append(variable.path)
-            advice.restore(self._records)
+            with interrupts_deferred():  # a Ctrl-C while putting the model back would leave it half put back
+                self.restore_layers()
+                for i, (variable, before) in enumerate(zip(self._variables, self._digests)):
+                    if digest(variable) == before:
+                        continue
+                    if i in self._files:
+                        variable.assign(np.load(self._files[i]))
+                    else:
+                        lost.append(variable.path)
+                advice.restore(self._records)
         finally:
             shutil.rmtree(self._dir, ignore_errors=True)
         if lost:
@@ -117,6 +121,25 @@ class Preserved:
                 raise RuntimeError(message)
             warnings.warn(message, stacklevel=2)  # the error in flight stays the one raised
         return False
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Within the block a Ctrl-C (SIGINT) waits: it is raised as KeyboardInterrupt when the block ends.
+
+    Only in the main thread (where Python delivers signals); elsewhere the block runs as it is.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        raise KeyboardInterrupt("deferred while kmix put the model back")
 
 
 def _objects(model):

@@ -90,3 +90,32 @@ def test_an_interrupt_anywhere_leaves_the_model_as_it_was(level):
         assert all(a[0] is b[0] and a[1] is b[1] and not a[2] for a, b in zip(after[1], before[1])), at
         assert after[2] is before[2], at
         np.testing.assert_array_equal(model.predict(x, verbose=0), expected)
+
+
+def test_a_ctrl_c_while_export_puts_the_model_back_waits_until_it_is_back(tmp_path, monkeypatch):
+    """SIGINT during `Preserved`'s restore is raised after it: the model is whole, then the interrupt."""
+    import os
+    import signal
+
+    from kmix import _compat
+
+    model = _model()
+    x = np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
+    expected = model.predict(x, verbose=0)
+    before = _state(model)
+    restore = _compat.restore_object_state
+    calls = []
+
+    def interrupted_restore(obj, state):
+        if not calls:
+            os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C as the first object is put back
+        calls.append(obj)
+        return restore(obj, state)
+
+    monkeypatch.setattr(_compat, "restore_object_state", interrupted_restore)
+    with pytest.raises(KeyboardInterrupt, match="deferred"):
+        kmix.export(model, str(tmp_path / "served"), sample=x, verbose=False)
+    after = _state(model)
+    assert after[0] == before[0] and after[2] is before[2]
+    assert all(a[0] is b[0] and a[1] is b[1] and not a[2] for a, b in zip(after[1], before[1]))
+    np.testing.assert_array_equal(model.predict(x, verbose=0), expected)
