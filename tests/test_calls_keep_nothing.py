@@ -45,3 +45,15 @@ def test_a_keras_trace_registers_gradients_and_kmix_calls_leave_none(tmp_path):
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     kmix.recommend(lm, x, x["token_ids"], loss=loss, batch_size=2, budget_s=5, verbose=False)
     assert _registered() - before == set()
+
+
+def test_autocast_of_a_keras_hub_task_creates_no_weights():
+    """A keras-hub task compiles itself in its constructor: its twin is still built without weights."""
+    from tests.testing import created_variables
+
+    lm, x = _silu_lm()
+    lm.predict(x, verbose=0)
+    weights = sum(int(np.prod(v.shape)) for v in lm.weights)
+    with created_variables() as created:
+        kmix.autocast(lm, "O1-bfloat16")
+    assert sum(int(np.prod(v.shape)) for v in created) < 0.05 * weights

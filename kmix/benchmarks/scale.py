@@ -2,8 +2,9 @@
 
 For each model (keras-hub GPT-2 124M, a GPT-2-medium-sized 355M backbone
 and, with `--large`, a Llama-shaped 836M one; `--quick`: a tiny GPT-2), a
-classifier on the backbone (its sequence output averaged, a `Dense` head),
-and each call beside Keras's own equivalent:
+classifier on the backbone (its sequence output averaged, a `Dense` head);
+with `--lora`, also a Qwen2 causal LM on the 0.5B layout with LoRA (rank 8)
+on next-token labels; each call beside Keras's own equivalent:
 
 | kmix                                  | Keras                                       |
 |---------------------------------------|---------------------------------------------|
@@ -15,7 +16,9 @@ Each call runs in a fresh Python process (`--in-process`: all in this one,
 the numbers then mix), which builds the model in float32 first. Its time is
 the call's wall clock; its extra peak memory is the process's peak resident
 set (`VmHWM`, reset through `/proc/self/clear_refs` just before the call)
-over the resident set just before it. Both are shown as ratios: time to the
+over the resident set just before it; what it keeps is the resident set
+once it returned over the one before it (both after `gc.collect()` and
+`malloc_trim`). Both are shown as ratios: time to the
 float32 build of the same model, memory to its float32 weights. The data
 is one batch of `--batch-size` rows of `--seq` token ids.
 """
@@ -42,6 +45,12 @@ MODELS = {  # keras-hub backbone class and arguments
                                        intermediate_dim=4096, max_sequence_length=1024)),
     "llama-836m": ("LlamaBackbone", dict(vocabulary_size=32000, num_layers=16, num_query_heads=32,
                                          num_key_value_heads=4, hidden_dim=2048, intermediate_dim=5632)),
+    # A causal LM with LoRA (rank 8) on Qwen2's 0.5B layout: the fine-tune users bring most.
+    "qwen2-0.5b-lora": ("Qwen2Backbone", dict(vocabulary_size=151936, num_layers=24, num_query_heads=14,
+                                              num_key_value_heads=2, hidden_dim=896, intermediate_dim=4864,
+                                              tie_word_embeddings=True)),
+    "tiny-lora": ("Qwen2Backbone", dict(vocabulary_size=512, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+                                        hidden_dim=64, intermediate_dim=128, tie_word_embeddings=True)),
 }
 DEFAULT_MODELS = ("gpt2-124m", "gpt2-355m")
 LARGE_MODELS = ("llama-836m",)
@@ -54,7 +63,7 @@ CALLS = (  # (name, who, what it is beside)
     ("fit step", "Keras", "one float32 fit step (compile + 1 batch)"),
     ("recommend", "kmix", "kmix.recommend(model, x, y)"),
 )
-HEADERS = ["model", "call", "by", "seconds", "x build", "extra peak GB", "x weights"]
+HEADERS = ["model", "call", "by", "seconds", "x build", "extra peak GB", "x weights", "kept GB", "kept x weights"]
 
 
 def build(name, policy="float32"):
@@ -68,6 +77,9 @@ def build(name, policy="float32"):
     try:
         keras.utils.set_random_seed(0)
         backbone = getattr(keras_hub.models, cls)(**kwargs)
+        if name.endswith("-lora"):
+            backbone.enable_lora(rank=8)
+            return keras_hub.models.Qwen2CausalLM(backbone=backbone, preprocessor=None)
         inputs = {"token_ids": keras.Input((None,), dtype="int32", name="token_ids"),
                   "padding_mask": keras.Input((None,), dtype="int32", name="padding_mask")}
         pooled = keras.layers.GlobalAveragePooling1D()(backbone(inputs))
@@ -83,8 +95,10 @@ def batch(name, batch_size, seq):
 
     rng = np.random.default_rng(0)
     vocab = MODELS[name][1]["vocabulary_size"]
-    x = {"token_ids": rng.integers(1, vocab, (batch_size, seq)).astype("int32"),
-         "padding_mask": np.ones((batch_size, seq), "int32")}
+    ids = rng.integers(1, vocab, (batch_size, seq + 1)).astype("int32")
+    x = {"token_ids": ids[:, :-1], "padding_mask": np.ones((batch_size, seq), "int32")}
+    if name.endswith("-lora"):
+        return x, ids[:, 1:]  # a causal LM: the next tokens
     return x, rng.integers(0, 4, (batch_size,))
 
 
@@ -103,17 +117,29 @@ def measure(call, name, batch_size, seq, budget_s):
     with tempfile.TemporaryDirectory() as tmp:
         run = _runner(call, model, name, x, y, batch_size, budget_s, tmp)
         if run is None:  # the build itself
-            seconds, extra = build_s, build_peak
+            seconds, extra, kept = build_s, build_peak, None
         else:
-            gc.collect()
-            base = _rss()
+            base = _settled_rss()
             _reset_peak()
             start = time.perf_counter()
             run()
             seconds, extra = time.perf_counter() - start, _peak() - base
+            kept = _settled_rss() - base
     keras.config.set_dtype_policy("float32")
     return {"model": name, "call": call, "seconds": seconds, "build_s": build_s, "extra_bytes": extra,
-            "weight_bytes": weights, "parameters": model.count_params()}
+            "kept_bytes": kept, "weight_bytes": weights, "parameters": model.count_params()}
+
+
+def _settled_rss():
+    """The resident set once Python's garbage and malloc's free pages are returned."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return _rss()
 
 
 def _runner(call, model, name, x, y, batch_size, budget_s, tmp):
@@ -201,11 +227,14 @@ def rows(results):
     table = []
     for r in results:
         if "error" in r:
-            table.append([r["model"], r["call"], who.get(r["call"], ""), "failed", r["error"], "", ""])
+            table.append([r["model"], r["call"], who.get(r["call"], ""), "failed", r["error"], "", "", "", ""])
             continue
+        kept = r.get("kept_bytes")
         table.append([r["model"], r["call"], who[r["call"]], f"{r['seconds']:.1f}",
                       f"{r['seconds'] / max(r['build_s'], 1e-9):.2f}", f"{r['extra_bytes'] / 2**30:.2f}",
-                      f"{r['extra_bytes'] / max(r['weight_bytes'], 1):.2f}"])
+                      f"{r['extra_bytes'] / max(r['weight_bytes'], 1):.2f}",
+                      "" if kept is None else f"{kept / 2**30:+.3f}",
+                      "" if kept is None else f"{kept / max(r['weight_bytes'], 1):+.3f}"])
     return table
 
 
@@ -215,6 +244,7 @@ def main(argv=None):
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None,
                         help=f"default: {' '.join(DEFAULT_MODELS)} (with --large: and {' '.join(LARGE_MODELS)})")
     parser.add_argument("--large", action="store_true", help="add the Llama-shaped 836M backbone (~3.3 GB float32)")
+    parser.add_argument("--lora", action="store_true", help="add Qwen2's 0.5B layout as a causal LM with LoRA")
     parser.add_argument("--calls", nargs="+", choices=[c for c, _, _ in CALLS], default=None, help="default: all")
     parser.add_argument("--batch-size", type=int, default=4, help="rows of the batch; default 4")
     parser.add_argument("--seq", type=int, default=128, help="tokens per row; default 128")
@@ -222,7 +252,8 @@ def main(argv=None):
     parser.add_argument("--in-process", action="store_true", help="every call in this process (figures mix)")
     parser.add_argument("--quick", action="store_true", help="a tiny GPT-2, seq 16, budget 2 s: seconds")
     args = parser.parse_args(argv)
-    models = args.models or list(DEFAULT_MODELS) + (list(LARGE_MODELS) if args.large else [])
+    models = args.models or (list(DEFAULT_MODELS) + (list(LARGE_MODELS) if args.large else [])
+                             + (["qwen2-0.5b-lora"] if args.lora else []))
     if args.quick:
         models, args.seq, args.budget = ["tiny"], 16, 2.0
     results = run(models, args.calls, args.batch_size, args.seq, args.budget, fresh=not args.in_process)
@@ -232,7 +263,8 @@ def main(argv=None):
           f"{args.budget:g}; {'one process' if args.in_process else 'a fresh process per call'}")
     print(format_table(HEADERS, rows(results)))
     print("x build: the call's seconds over the float32 build's (in its own process); x weights: its extra peak "
-          "resident memory over the model's float32 weights.")
+          "resident memory over the model's float32 weights; kept: the resident set after the call returned "
+          "(after gc and malloc_trim) over the one before it.")
     return results
 
 

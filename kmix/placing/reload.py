@@ -18,6 +18,7 @@ quantized layers). What still differs is reported.
 import os
 import re
 import tempfile
+import inspect
 import warnings
 
 import keras
@@ -61,8 +62,19 @@ def _deserialize(model):
     """`model` built from its config (which Keras's deserialization consumes: made anew each time)."""
     config = keras.saving.serialize_keras_object(model)
     config.pop("compile_config", None)
+    if _compiles_itself(type(model)) and isinstance(config.get("config"), dict):
+        # keras-hub tasks compile themselves in their constructor by default: an optimizer, whose
+        # variables a StatelessScope refuses (they start from a constant), would make the twin
+        # fall back to a build with weights (+1x the model and its initializers).
+        config["config"]["compile"] = False
     # safe_mode=False: a Lambda's function is the user's own, from this process.
     return keras.saving.deserialize_keras_object(config, safe_mode=False)
+
+
+def _compiles_itself(cls):
+    """Whether `cls`'s constructor takes `compile` (keras-hub's `Task`, reached through `**kwargs`)."""
+    return any("compile" in inspect.signature(c.__init__).parameters
+               for c in cls.__mro__ if "__init__" in vars(c) and c is not object)
 
 
 def run(twin, model, x):
