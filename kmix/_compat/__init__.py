@@ -2,7 +2,8 @@
 
 Each use says why no public name does the job. Nothing else in kmix may import
 `keras.src` (within this package, only `keras_src` does) or `tf.__internal__`.
-The names are grouped by what they reach into: `layers` (the layer tree,
+The names are grouped by what they reach into: `checkpoint` (how a
+`tf.train.Checkpoint` read matches objects), `layers` (the layer tree,
 functional graphs, a variable's storage),
 `optimizer` (Keras optimizers), `trainer` (Keras's TensorFlow trainer, which
 kmix patches for multi-worker fit and multi-step runs) and `runtime`
@@ -10,6 +11,7 @@ kmix patches for multi-worker fit and multi-step runs) and `runtime`
 another's variables); callers use them as `_compat.<name>`.
 """
 
+from kmix._compat.checkpoint import NamedRecord, attach_record
 from kmix._compat.layers import (
     built_input_shapes,
     graph_nodes,
@@ -53,7 +55,9 @@ from kmix._compat.trainer import (
 )
 
 __all__ = [
+    "NamedRecord",
     "adam_slots",
+    "attach_record",
     "autoconvert_optionals",
     "built_input_shapes",
     "captured_handles",

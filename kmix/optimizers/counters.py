@@ -100,3 +100,49 @@ def record_step(opt, finite, nonfinite, scale, active=None):
     opt._skipped_steps.assign_add(skipped)
     opt._overflow_counts.assign_add(overflowed)
     opt._min_scale_overflows.assign_add(at_floor)
+
+
+class CounterViews:
+    """The counters of a `kmix.LossScaleOptimizer`, read-only (a base class of it: the optimizer owns them)."""
+
+    @property
+    def good_steps(self):
+        """Finite steps since the scale last changed (Keras's `step_counter`)."""
+        return built(self, "step_counter")
+
+    @property
+    def skipped_steps(self):
+        """How many steps were skipped for non-finite gradients (an int64 variable)."""
+        return built(self, "_skipped_steps")
+
+    @property
+    def hysteresis_left(self):
+        """Overflows left before the next back-off (an int64 variable)."""
+        return built(self, "_hysteresis_left")
+
+    @property
+    def overflow_counts(self):
+        """Per trainable variable, how often its gradient was non-finite (int64 vector)."""
+        return built(self, "_overflow_counts")
+
+    @property
+    def min_scale_overflows(self):
+        """Overflows that happened while the scale was already at `min_scale`."""
+        return built(self, "_min_scale_overflows")
+
+    @property
+    def current_growth_interval(self):
+        """The growth interval in force (a variable: `LossScaleWarmup` changes it)."""
+        return built(self, "_growth_interval_var")
+
+    def overflow_report(self, top=None):
+        """The variables whose gradients were non-finite, most frequent first.
+
+        Args:
+            top: keep only the first `top` rows; all by default.
+
+        Returns:
+            `(variable_path, count)` pairs with `count > 0`, by count (descending), then path.
+        """
+        counts = self.overflow_counts  # before build: the ValueError saying how to build it
+        return report(self._variable_paths, counts, top)

@@ -12,12 +12,12 @@ from kmix._compat import model_building, no_automatic_dependency_tracking, optim
 from kmix._compat import take_gradients_as_reduced
 from kmix.optimizers import accumulation, allreduce, arguments, counters, follow_model, fused_adam, kahan
 from kmix.optimizers import master_weights as mw
-from kmix.optimizers import replicas, scaled_check, step_state
+from kmix.optimizers import replicas, saved_level, scaled_check, step_state
 from kmix.optimizers.scaled_check import unscale
 
 
 @keras.saving.register_keras_serializable(package="kmix")
-class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(counters.CounterViews, keras.optimizers.LossScaleOptimizer):
     """A `keras.optimizers.LossScaleOptimizer` with bounds, hysteresis and counters.
 
     The loss is multiplied by `loss_scale` before the backward pass so that
@@ -131,6 +131,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return
         var_list = list(var_list)
         follow_model.follow(self, var_list, self._tracked_model() or model_building(self))
+        kind = mw.kind_for(self._master_weights_request, var_list)  # first: a read before build is checked here
+        self._saved_layout = saved_level.install(self, saved_level.layout_of(self, var_list, kind))
         self._variable_paths = [_variable_path(v) for v in var_list]
         self._model_variables = var_list
         self._masters, self._kahan = mw.create_for(self, self._master_weights_request, var_list)
@@ -168,48 +170,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if not self.built:
             return self._master_weights_request
         return mw.in_force(self._masters, self._kahan)
-
-    @property
-    def good_steps(self):
-        """Finite steps since the scale last changed (Keras's `step_counter`)."""
-        return counters.built(self, "step_counter")
-
-    @property
-    def skipped_steps(self):
-        """How many steps were skipped for non-finite gradients (an int64 variable)."""
-        return counters.built(self, "_skipped_steps")
-
-    @property
-    def hysteresis_left(self):
-        """Overflows left before the next back-off (an int64 variable)."""
-        return counters.built(self, "_hysteresis_left")
-
-    @property
-    def overflow_counts(self):
-        """Per trainable variable, how often its gradient was non-finite (int64 vector)."""
-        return counters.built(self, "_overflow_counts")
-
-    @property
-    def min_scale_overflows(self):
-        """Overflows that happened while the scale was already at `min_scale`."""
-        return counters.built(self, "_min_scale_overflows")
-
-    @property
-    def current_growth_interval(self):
-        """The growth interval in force (a variable: `LossScaleWarmup` changes it)."""
-        return counters.built(self, "_growth_interval_var")
-
-    def overflow_report(self, top=None):
-        """The variables whose gradients were non-finite, most frequent first.
-
-        Args:
-            top: keep only the first `top` rows; all by default.
-
-        Returns:
-            `(variable_path, count)` pairs with `count > 0`, by count (descending), then path.
-        """
-        counts = self.overflow_counts  # before build: the ValueError saying how to build it
-        return counters.report(self._variable_paths, counts, top)
 
     # ------------------------------------------------------------ the routes in
     def scale_loss(self, loss):
@@ -399,7 +359,24 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return super().finalize_variable_values(var_list)
         mw.finalize(self, var_list)
 
-    # ------------------------------------------------------------ config
+    # ------------------------------------------------------------ saving and config
+    def save_own_variables(self, store):
+        """Saves Keras's state by position and the layout it has at its opt level (`saved_level`).
+
+        Args:
+            store: the optimizer's entry of a Keras weights store.
+        """
+        super().save_own_variables(store)
+        saved_level.write(self, store)
+
+    def load_own_variables(self, store):
+        """Loads what `save_own_variables` wrote, converted from another opt level, or raises naming both.
+
+        Args:
+            store: the optimizer's entry of a Keras weights store.
+        """
+        saved_level.load(self, store, super().load_own_variables)
+
     def get_config(self):
         """Every constructor argument, so `from_config` rebuilds the same optimizer."""
         config = super().get_config()

@@ -49,13 +49,28 @@ def in_force(masters, compensation):
     return "kahan" if compensation else False
 
 
+def kind_for(request, var_list):
+    """What `master_weights=request` keeps for `var_list`: `"masters"`, `"kahan"` or `"none"` (no half variable).
+
+    Args:
+        request: the optimizer's `master_weights` request, `"auto"` resolved.
+        var_list: the variables it is built for.
+
+    Returns:
+        One of the three words; `create_for` creates what it names.
+    """
+    if not request or not any(keras.backend.standardize_dtype(v.dtype) in _HALF for v in var_list):
+        return "none"
+    return "kahan" if request == "kahan" else "masters"
+
+
 def create_for(optimizer, request, var_list):
     """The master copies or compensation buffers that `master_weights=request` asks for `var_list`.
 
     Returns:
         `(masters, compensation)`: `{index in var_list: variable}` each, one of them empty.
     """
-    if not request or not any(keras.backend.standardize_dtype(v.dtype) in _HALF for v in var_list):
+    if kind_for(request, var_list) == "none":
         return ByIndex(), ByIndex()
     if optimizer.inner_optimizer.built:
         raise ValueError(
@@ -113,6 +128,16 @@ def sync_from_model(masters, model_variables, indices):
             v, m = model_variables[i], masters[i]
             current = tf.convert_to_tensor(v)
             m.assign(tf.where(tf.cast(m, v.dtype) == current, m, tf.cast(current, tf.float32)))
+
+
+def take_from_model(masters, model_variables):
+    """Sets every float32 copy to its model variable's value: copies for weights loaded without any.
+
+    Keras loads a model's layers before its optimizer (`model.layers` comes
+    first), so the variables hold the loaded weights when the optimizer loads.
+    """
+    for i, m in masters.items():
+        m.assign(tf.cast(tf.convert_to_tensor(model_variables[i]), tf.float32))
 
 
 def copy_to_model(masters, model_variables, indices):

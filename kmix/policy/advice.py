@@ -1,10 +1,12 @@
 """What kmix learned about a model when it placed it, for the optimizer that trains it.
 
 `kmix.autocast` records here, per trainable variable, the dtype its layer
-computes in, and (with `sample=`) the initial loss scale the diagnosis
-advises. `kmix.LossScaleOptimizer.build` looks its variables up, so that an
-optimizer wrapped outside `kmix.policy_scope` still scales the loss of a
-model whose layers compute in float16, and starts from the advised scale.
+computes in, the opt level it was placed at, and (with `sample=`) the
+initial loss scale the diagnosis advises. `kmix.LossScaleOptimizer.build`
+looks its variables up, so that an optimizer wrapped outside
+`kmix.policy_scope` still scales the loss of a model whose layers compute in
+float16, starts from the advised scale, and names the model's opt level in
+what it saves (`kmix.optimizers.saved_level`).
 
 Variables are unhashable, so entries are keyed by `id()` and hold a weak
 reference that tells a live variable from a later one that reuses the id.
@@ -14,6 +16,7 @@ import weakref
 
 _COMPUTE = {}  # id(variable) -> (weakref, compute dtype of the layer that owns it)
 _SCALE = {}  # id(variable) -> (weakref, advised initial loss scale)
+_LEVEL = {}  # id(variable) -> (weakref, name of the policy it was placed under)
 _LEVEL_SCALE = {}  # policy name -> the initial scale last advised under it
 
 
@@ -24,12 +27,14 @@ def record(variables_by_dtype, initial_scale=None, policy_name=None):
         variables_by_dtype: pairs `(variable, compute_dtype)`.
         initial_scale: the initial loss scale advised for these variables, or None.
         policy_name: the name of the policy the model was placed under
-            (`kmix.Policy.name`); `kmix.wrap` under that policy then uses
-            `initial_scale` as its default.
+            (`kmix.Policy.name`), recorded for each variable; `kmix.wrap`
+            under that policy then uses `initial_scale` as its default.
     """
     variables = []
     for variable, dtype in variables_by_dtype:
         _put(_COMPUTE, variable, str(dtype))
+        if policy_name is not None:
+            _put(_LEVEL, variable, str(policy_name))
         variables.append(variable)
     if initial_scale is not None:
         for variable in variables:
@@ -59,6 +64,12 @@ def compute_dtypes(variables):
     return {dtype for dtype in found if dtype is not None}
 
 
+def levels(variables):
+    """The set of policy names (`"O2-float16"`) the variables were placed under (empty when none were recorded)."""
+    found = (_get(_LEVEL, v) for v in variables)
+    return {name for name in found if name is not None}
+
+
 def initial_scale(variables=None, policy_name=None):
     """The largest initial scale advised for `variables`, else for `policy_name`, else None."""
     if variables is not None:
@@ -85,14 +96,14 @@ def _get(table, variable):
 def snapshot(variables):
     """What is recorded for `variables` (and per policy), for `restore` to put back."""
     keys = {id(v) for v in variables}
-    return ({k: e for k, e in _COMPUTE.items() if k in keys}, {k: e for k, e in _SCALE.items() if k in keys},
-            keys, dict(_LEVEL_SCALE))
+    tables = tuple({k: e for k, e in table.items() if k in keys} for table in (_COMPUTE, _SCALE, _LEVEL))
+    return tables, keys, dict(_LEVEL_SCALE)
 
 
 def restore(saved):
     """Puts back the records `snapshot` took: `kmix.recommend` places the user's model only for a while."""
-    compute, scale, keys, level = saved
-    for table, entries in ((_COMPUTE, compute), (_SCALE, scale)):
+    tables, keys, level = saved
+    for table, entries in zip((_COMPUTE, _SCALE, _LEVEL), tables):
         for key in keys:
             table.pop(key, None)
         table.update(entries)

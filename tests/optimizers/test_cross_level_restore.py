@@ -1,0 +1,251 @@
+"""A weights file or checkpoint read at another opt level: every value converted, or a ValueError naming both levels.
+
+The reference is the saved model's values cast with numpy (ml_dtypes for
+bfloat16) to the dtype each variable has at the level that reads them.
+"""
+
+import h5py
+import keras
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kmix
+from kmix.optimizers import saved_level
+from kmix.optimizers.saved_level import RECORD_NAME, Layout
+from kmix.policy import advice
+
+# name: (policy for kmix.autocast, or None for a float32 model kmix does not place; master_weights)
+LEVELS = {
+    "float32": (None, "auto"),
+    "O1": ("O1", "auto"),
+    "O1-bfloat16": (kmix.Policy("O1", half="bfloat16"), "auto"),
+    "O2": ("O2", "auto"),
+    "O2-bfloat16": (kmix.Policy("O2", half="bfloat16"), "auto"),
+    "O2-kahan": ("O2", "kahan"),
+    "O3": ("O3", "auto"),
+}
+AUX = {"float32": "none", "O1": "none", "O1-bfloat16": "none", "O2": "masters", "O2-bfloat16": "masters",
+       "O2-kahan": "kahan", "O3": "none"}
+NAMES = {"float32": "float32", "O1": "O1-float16", "O1-bfloat16": "O1-bfloat16", "O2": "O2-float16",
+         "O2-bfloat16": "O2-bfloat16", "O2-kahan": "O2-float16", "O3": "O3-float16"}  # kmix.Policy(...).name
+# Whether the run scales its loss (float16 compute): a scale carries over only between runs that agree.
+SCALED = {"float32": False, "O1": True, "O1-bfloat16": False, "O2": True, "O2-bfloat16": False, "O2-kahan": True,
+          "O3": True}
+NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "int64": np.int64}
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(32, 6)).astype(np.float32)
+Y = RNG.normal(size=(32, 1)).astype(np.float32)
+
+
+def make(level, seed=0, trained=True, build=True):
+    """Dense + BatchNormalization + Dense at `level`, compiled with kmix.wrap(Adam); trained one epoch, or built."""
+    policy, master_weights = LEVELS[level]
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, name="dense"),
+                              keras.layers.BatchNormalization(name="norm"), keras.layers.Dense(1, name="head")])
+    if policy is not None:
+        model = kmix.autocast(model, policy)
+    with kmix.policy_scope(policy or "float32"):
+        model.compile(optimizer=kmix.wrap(keras.optimizers.Adam(1e-2), master_weights=master_weights,
+                                          growth_interval=2), loss="mse")
+    if trained:
+        model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    elif build:
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def values(variables):
+    return [np.array(keras.ops.convert_to_numpy(v)) for v in variables]
+
+
+def aux_variables(optimizer):
+    return list(optimizer._masters.values()) + list(optimizer._kahan.values())
+
+
+def scale_state(optimizer):
+    """The loss scale's trajectory: scale, good steps, hysteresis left, growth interval."""
+    return [optimizer.dynamic_scale, optimizer.good_steps, optimizer.hysteresis_left,
+            optimizer.current_growth_interval]
+
+
+def state(model):
+    """Every model and optimizer variable's value."""
+    return values(list(model.weights) + list(model.optimizer.variables))
+
+
+def assert_bitwise(got, expected):
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def cast(value, variable):
+    """The numpy reference: `value` rounded to `variable`'s dtype (round to nearest even)."""
+    return np.asarray(value).astype(NP_DTYPES[keras.backend.standardize_dtype(variable.dtype)])
+
+
+def assert_cast(variables, saved):
+    assert len(variables) == len(saved)
+    for variable, value in zip(variables, saved):
+        got = np.array(keras.ops.convert_to_numpy(variable))
+        expected = cast(value, variable)
+        assert got.dtype == expected.dtype and got.tobytes() == expected.tobytes(), variable.path
+
+
+# ---------------------------------------------------------------- .weights.h5: converted
+CONVERTED = [("float32", "O2"), ("O1", "O2"), ("O2", "float32"), ("O2", "O1"), ("float32", "O2-kahan"),
+             ("O2-kahan", "O1"), ("O2", "O2-bfloat16"), ("O2", "O3"), ("O3", "O2"), ("O1", "float32"),
+             ("O1-bfloat16", "O2-bfloat16")]
+
+
+@pytest.mark.parametrize("saved_at,read_at", CONVERTED, ids=[f"{a}-to-{b}" for a, b in CONVERTED])
+def test_weights_file_converts_every_value(saved_at, read_at, tmp_path):
+    source = make(saved_at)
+    path = tmp_path / "model.weights.h5"
+    source.save_weights(path)
+    src_opt = source.optimizer
+    weights = values(source.weights)
+    inner = values(src_opt.inner_optimizer.variables)
+    src_aux = {id(v) for v in aux_variables(src_opt)}
+    own = values([v for v in src_opt._variables if id(v) not in src_aux])
+    saved_masters = values(src_opt._masters.values())
+
+    target = make(read_at, seed=1, trained=False)
+    opt = target.optimizer
+    aux = {id(v) for v in aux_variables(opt)}
+    own_here = [v for v in opt._variables if id(v) not in aux]
+    if SCALED[saved_at] != SCALED[read_at]:  # a scale of the other kind: this optimizer keeps its own
+        kept = {id(v) for v in scale_state(opt)}
+        own = [value if id(v) not in kept else np.array(v.numpy()) for v, value in zip(own_here, own)]
+    target.load_weights(path)
+    assert_cast(target.weights, weights)  # every weight, in this level's dtype
+    assert_cast(opt.inner_optimizer.variables, inner)  # slots, iterations: by position, cast
+    assert_cast(own_here, own)  # scale, counters
+    half_weights = [v for v in target.trainable_variables if keras.backend.standardize_dtype(v.dtype) != "float32"]
+    if AUX[read_at] == "masters" and AUX[saved_at] == "masters":
+        assert_cast(opt._masters.values(), saved_masters)  # the saved copies: the low bits kept
+    elif AUX[read_at] == "masters":  # made from the loaded weights, as autocast makes them
+        expected = [np.array(keras.ops.convert_to_numpy(v)).astype(np.float32) for v in half_weights]
+        assert_cast(opt._masters.values(), expected)
+    elif AUX[read_at] == "kahan":  # no remainder is known: zero, as a freshly placed model starts
+        assert_cast(opt._kahan.values(), [np.zeros(v.shape) for v in half_weights])
+    # Training goes on from there.
+    history = target.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+
+
+@pytest.mark.parametrize("saved_at,read_at", [("O2", "O2-kahan"), ("O2-kahan", "O2")])
+def test_weights_file_refuses_master_copies_for_kahan_remainders(saved_at, read_at, tmp_path):
+    source = make(saved_at)
+    path = tmp_path / "model.weights.h5"
+    source.save_weights(path)
+    target = make(read_at, seed=1, trained=False)
+    before = values(target.optimizer.variables)
+    with pytest.raises(ValueError) as raised:
+        target.load_weights(path)
+    message = str(raised.value)
+    assert "float32 master copies" in message and "Kahan remainders" in message
+    assert message.count("O2-float16") >= 2  # both levels named
+    assert_bitwise(values(target.optimizer.variables), before)  # nothing of the optimizer assigned
+    # The documented way out: the weights alone (the same dtypes here: bit for bit), with a warning.
+    with pytest.warns(UserWarning):
+        target.load_weights(path, skip_mismatch=True)
+    assert_bitwise(values(target.weights), values(source.weights))
+    assert_bitwise(values(target.optimizer.variables), before)
+
+
+def test_weights_file_without_a_layout_loads_only_where_every_value_fits(tmp_path):
+    """Files from before kmix recorded layouts: same level by position as Keras; another level refused."""
+    source = make("O2")
+    path = tmp_path / "old.weights.h5"
+    source.save_weights(path)
+    with h5py.File(path, "a") as f:
+        groups = [name for name in _all_groups(f) if RECORD_NAME in f[name]]
+        assert len(groups) == 1
+        del f[groups[0]][RECORD_NAME]
+    same = make("O2", seed=1, trained=False)
+    same.load_weights(path)
+    assert_bitwise(state(same), state(source))
+    kahan = make("O2-kahan", seed=1, trained=False)
+    before = values(kahan.optimizer.variables)
+    with pytest.raises(ValueError, match="does not record the opt level"):
+        kahan.load_weights(path)
+    assert_bitwise(values(kahan.optimizer.variables), before)
+
+
+def _all_groups(f):
+    names = []
+    f.visit(lambda name: names.append(name) if isinstance(f[name], h5py.Group) else None)
+    return names
+
+
+# ---------------------------------------------------------------- tf.train.Checkpoint: refused or as it is
+REFUSED = [("float32", "O2"), ("O1", "O2"), ("O2", "O1"), ("O2", "float32"), ("O2", "O2-kahan"),
+           ("O2-kahan", "O2"), ("O2", "O2-bfloat16"), ("O1", "O2-kahan"), ("float32", "O1"), ("O1", "float32")]
+
+
+@pytest.mark.parametrize("saved_at,read_at", REFUSED, ids=[f"{a}-to-{b}" for a, b in REFUSED])
+def test_checkpoint_at_another_layout_raises_before_restoring(saved_at, read_at, tmp_path):
+    source = make(saved_at)
+    path = tf.train.Checkpoint(model=source, optimizer=source.optimizer).write(str(tmp_path / "ckpt"))
+    target = make(read_at, seed=1, trained=False)
+    before = state(target)
+    with pytest.raises(ValueError) as raised:
+        tf.train.Checkpoint(model=target, optimizer=target.optimizer).read(path)
+    message = str(raised.value)
+    assert f"written at {NAMES[saved_at]} (" in message and f"optimizer is at {NAMES[read_at]} (" in message
+    assert f"written at {source.optimizer._saved_layout.describe()}" in message
+    assert f"optimizer is at {target.optimizer._saved_layout.describe()}" in message
+    assert "Nothing was restored" in message
+    assert_bitwise(state(target), before)  # not one value read: no partial restore by position
+
+
+def test_checkpoint_from_before_the_record_restores_as_before(tmp_path, monkeypatch):
+    """A checkpoint written without the record (older kmix): unchecked, restored bit for bit at its level."""
+    with monkeypatch.context() as patch:
+        patch.setattr(saved_level, "_attach_record", lambda optimizer, layout: None)
+        source = make("O2")
+        path = tf.train.Checkpoint(model=source, optimizer=source.optimizer).write(str(tmp_path / "ckpt"))
+    target = make("O2", seed=1, trained=False)
+    tf.train.Checkpoint(model=target, optimizer=target.optimizer).read(path).expect_partial()
+    assert_bitwise(state(target), state(source))
+
+
+@pytest.mark.parametrize("saved_at,read_at", [("float32", "O1-bfloat16"), ("O1-bfloat16", "float32")])
+def test_checkpoint_at_the_same_layout_restores_every_value(saved_at, read_at, tmp_path):
+    """float32 and O1-bfloat16 hold the same (float32 weights, no copies, no loss scale): restored bit for bit."""
+    source = make(saved_at)
+    path = tf.train.Checkpoint(model=source, optimizer=source.optimizer).write(str(tmp_path / "ckpt"))
+    target = make(read_at, seed=1, trained=False)
+    tf.train.Checkpoint(model=target, optimizer=target.optimizer).read(path).assert_consumed()
+    assert_bitwise(state(target), state(source))
+
+
+def test_checkpoint_read_before_the_optimizer_is_built_is_checked_when_it_is(tmp_path):
+    """The read restores the (same-dtype) weights; the optimizer's state waits for build, which refuses it."""
+    source = make("O2")
+    path = tf.train.Checkpoint(model=source, optimizer=source.optimizer).write(str(tmp_path / "ckpt"))
+    target = make("O2-kahan", seed=1, trained=False, build=False)
+    assert not target.optimizer.built  # its state is restored when build creates it
+    tf.train.Checkpoint(model=target, optimizer=target.optimizer).read(path)
+    assert_bitwise(values(target.weights), values(source.weights))
+    with pytest.raises(ValueError, match="none of the optimizer's state was") as raised:
+        target.optimizer.build(target.trainable_variables)
+    assert "float32 master copies" in str(raised.value) and "Kahan remainders" in str(raised.value)
+    assert not target.optimizer.built  # refused before any variable of its state was created
+
+
+# ---------------------------------------------------------------- what is recorded
+def test_autocast_records_the_level_and_the_layout_round_trips():
+    model = make("O2-bfloat16", trained=False)
+    assert advice.levels(model.trainable_variables) == {"O2-bfloat16"}
+    layout = model.optimizer._saved_layout
+    assert layout == Layout("O2-bfloat16", "masters", (("bfloat16", 4), ("float32", 2)), False)
+    decoded, fields = Layout.decode(layout.encode(aux=[2, 3]))
+    assert decoded == layout and fields["aux"] == [2, 3]  # every field back
+    assert Layout.decode("not a layout") == (None, {})
+    assert layout.describe() == ("O2-bfloat16 (4 bfloat16 and 2 float32 parameters, float32 master copies, "
+                                 "no loss scaling)")
