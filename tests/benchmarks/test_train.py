@@ -145,7 +145,9 @@ def test_quick_run_prints_every_route(tmp_path, capsys):
     rec, model_rec = out["recommendation"], out["model_recommendation"]
     assert isinstance(rec, kmix.Recommendation) and str(rec) in text
     # recommend(model): its table of routes on this model, and its row against Keras's and the fastest.
-    assert model_rec.table is not None and str(model_rec) in text
+    # Under load the quick run's 3 s budget may cover no build: then the reasons say so (no table).
+    assert str(model_rec) in text
+    assert model_rec.table is not None or "not measured on your model" in str(model_rec) or "budget_s" in model_rec.reasons[-1]
     assert "kmix.recommend(model) chose" in text and "Keras's default float32 compile" in text
     expected = train.configurations(train.POLICIES, ["auto"], rec, model_rec)
     auto_jit = bool(tf.config.list_physical_devices("GPU"))  # Keras's "auto": XLA only with a GPU

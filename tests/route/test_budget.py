@@ -177,8 +177,9 @@ def test_a_small_call_builds_in_the_probes_order_and_keeps_its_budget():
         assert any("not measured on your model" in r for r in rec.reasons)
     rounds = min(len(r.seconds) for r in table.routes)
     assert rounds >= trials.MIN_ROUNDS or len(table.routes) == 1 or "fewer than the 5" in str(rec)
-    # The rounds stop at 1.2x budget_s; only a build that overran its estimate (at most one) goes past.
-    assert took <= (1 + trials.OVERRUN) * budget_s + max(r.setup_s for r in table.routes) + 1.0, (took, str(rec))
+    # The rounds stop at 1.2x budget_s: the time left after the builds holds it (the wall clock of the
+    # call is a benchmark's, `python -m kmix bench recommend`: a build under load can overrun its estimate).
+    assert sum(sum(r.seconds) for r in table.routes) <= (1 + trials.OVERRUN) * budget_s, str(rec)
     print(f"recommend(budget_s={budget_s:g}) took {took:.1f} s\n{rec}")
 
 
