@@ -73,6 +73,11 @@ class Written:
                 continue
             self.handles.append(internal)
             self.before.append(reads[0].outputs[0])
+        if self.unreadable:  # once per trace: said, never silently left as the skipped step wrote them
+            warnings.warn(
+                f"{len(self.unreadable)} variables are written by this step's forward pass where kmix cannot see "
+                f"the value they held before (inside a nested function or a cond): {self.unreadable[:5]}. A "
+                "skipped step leaves them as it wrote them.", stacklevel=4)
 
     @classmethod
     def nothing(cls):
