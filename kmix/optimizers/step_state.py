@@ -169,10 +169,7 @@ def warn_eager_skip(optimizer, skipped):
     """Eagerly, a skipped step's forward writes cannot be found: says so once."""
     if tf.inside_function() or not optimizer.restore_on_skip or not bool(skipped):
         return
-    if getattr(optimizer, "_warned_eager_skip", False):
-        return
-    optimizer._warned_eager_skip = True
-    warnings.warn(
+    warnings.warn(  # Python's default filter shows it once per optimizer name: no flag set on the optimizer
         f"{type(optimizer).__name__} {optimizer.name!r} skipped a step run eagerly: variables its forward "
         "pass wrote (batch-norm statistics, seed states) keep what the skipped step wrote. Trace the step "
         "(`tf.function`, or `compile` without `run_eagerly=True`) for kmix to put them back.",
