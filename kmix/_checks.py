@@ -66,3 +66,31 @@ def wrapped_layer(layer):
             f"Received: layer={layer!r} (of type {type(layer).__name__})."
         )
     return layer
+
+
+def built_model(model, layers_may_stand_in=False):
+    """`model` if it is a built `keras.Model`; `TypeError` / `ValueError` saying what to do otherwise.
+
+    Args:
+        model: what was received.
+        layers_may_stand_in: accept an unbuilt model whose layers are all built (keras.io's VAE
+            trains its built encoder and decoder in `train_step` and never calls the model).
+    """
+    import keras
+
+    from kmix._tree import walk
+
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"`model` must be a keras.Model. Received: model={model!r} (of type {type(model).__name__})."
+        )
+    if model.built:
+        return model
+    layers = [layer for _, layer, _ in walk(model)] if layers_may_stand_in else []
+    if not (layers and all(layer.built for layer in layers)):
+        raise ValueError(
+            f"`model` must be built, so that its layers have variables. Received: model "
+            f"{model.name!r} ({type(model).__name__}), not built. Start it with `keras.Input(shape)`, "
+            "call it on a batch, or call `model.build(input_shape)` first."
+        )
+    return model

@@ -31,7 +31,7 @@ from kmix.policy import advice
 from kmix._tree import is_graph_model, own_weights, resolved_policy, walk
 from kmix.placing.rules import Kind, Rules
 from kmix.policy.policy import parse
-from kmix import _preserved
+from kmix import _checks, _preserved
 
 _ROUNDS = 3  # checks that change the plan, at most, each followed by a new twin
 
@@ -105,7 +105,7 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
     ...     model.compile(optimizer=kmix.wrap("adam"), loss="mse")
     """
     policy = parse(policy, "policy")
-    _check_model(model)
+    _checks.built_model(model, layers_may_stand_in=True)
     advised = islands.advise(model, policy, sample) if sample is not None else None
     given = float32_layers if advised is None else islands.merge(float32_layers, list(advised.targets))
     rules = Rules(policy, given)
@@ -190,22 +190,6 @@ def _table(plan, before, repaired, settled):
             reason += f"; {', '.join(fixed)} kept float32: the layer makes them so under any policy (as Keras's own)"
         table.append(Placement(row.path, cls, old, resolved_policy(layer).name, reason))
     return table
-
-
-def _check_model(model):
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            f"`model` must be a keras.Model. Received: model={model!r} (of type {type(model).__name__})."
-        )
-    layers = [layer for _, layer, _ in walk(model)]
-    # A subclassed model whose call is never used (keras.io's VAE trains its built encoder and
-    # decoder in `train_step`) is placed through its built layers.
-    if not model.built and not (layers and all(layer.built for layer in layers)):
-        raise ValueError(
-            f"`model` must be built, so that its layers have variables to place. Received: model "
-            f"{model.name!r} ({type(model).__name__}), not built. Start it with `keras.Input(shape)`, "
-            "call it on a batch, or call `model.build(input_shape)` first."
-        )
 
 
 def _plan(rules, model, specs):

@@ -32,7 +32,7 @@ from kmix._output import progress
 from kmix.placing import autocast
 from kmix._tree import digest, walk
 from kmix.policy.policy import Policy
-from kmix import _preserved
+from kmix import _checks, _preserved
 from kmix.serving import artifact, check, destination, half_weights, keras_file, storage
 from kmix.serving.report import ExportReport
 
@@ -118,7 +118,7 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
     targets = _check_paths(filepath, overwrite)
     paths = [target.given for target in targets]
     half = _check_dtype(dtype)
-    _check_model(model)
+    _checks.built_model(model)
     say = progress if verbose else (lambda message: None)
     x, origin = check.sample_inputs(model, sample)
     if any(artifact.kind(path) == "keras" for path in paths):
@@ -351,15 +351,3 @@ def _check_dtype(dtype):
             f"Received: dtype={dtype!r}"
         )
     return half
-
-
-def _check_model(model):
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            f"`model` must be a keras.Model. Received: model={model!r} (of type {type(model).__name__})."
-        )
-    if not model.built:
-        raise ValueError(
-            f"`model` must be built: model {model.name!r} has no weights yet. Call it on a batch, or "
-            "start it with keras.Input(shape)."
-        )
