@@ -24,7 +24,7 @@ if _cpus:
     except RuntimeError:  # devices already initialised by an earlier import
         pass
 
-from kmix.policy import _state  # noqa: E402  (after the device setup)
+from kmix import _state  # noqa: E402  (after the device setup)
 
 
 def pytest_collection_modifyitems(config, items):

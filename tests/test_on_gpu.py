@@ -21,7 +21,7 @@ import kmix
 from kmix import demo
 from kmix.benchmarks import gpt, gpu_routes, memory, train_rounds
 from kmix.benchmarks.routes import Route
-from kmix.optimizers import fused_adam
+from kmix.optimizers import updates
 from kmix.route import probe as probe_module
 from kmix.route import trials
 
@@ -105,7 +105,7 @@ def check_fused_adam_matches_keras(jit_compile, device=GPU, steps=5):
         with tf.device(device):
             variable = keras.Variable(start)
             optimizer = keras.optimizers.AdamW(1e-2, weight_decay=0.01)
-            assert fused_adam.install(optimizer) if fused else not fused_adam.is_installed(optimizer)
+            assert updates.use_fused_adam(optimizer) if fused else not updates.fused(optimizer)
             optimizer.build([variable])
             step = tf.function(lambda g: optimizer.apply_gradients([(g, variable)]), jit_compile=jit_compile)
             for g in grads:

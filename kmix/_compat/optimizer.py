@@ -1,5 +1,8 @@
 """Keras optimizers' private names: loss scaling, master weights, fused Adam, replicas."""
 
+import contextlib
+
+import keras
 import tensorflow as tf
 
 from kmix._compat import keras_src
@@ -69,31 +72,63 @@ def take_gradients_as_reduced(optimizer):
     optimizer._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
 
 
-def model_building(optimizer, depth=8):
-    """The `keras.Model` whose trainer is building `optimizer` right now, or None.
+# Method replacements on one optimizer instance (its class and every other optimizer keep Keras's).
+# Checked on Keras 3.10-3.15. Keras calls these through `self.<name>`, so an instance attribute is
+# the only way to change them for one object; there is no public hook.
 
-    `model.fit` builds the optimizer from `model.trainable_variables` alone (in
-    Keras's private `Trainer._symbolic_build`, or in the first traced
-    `train_step`) and hands it nothing else, while a loss-scale optimizer that
-    undoes a skipped step needs the model's non-trainable variables too. No
-    public name links an optimizer to the model compiled with it, so this
-    looks up the calling frames for a method of a `keras.Model` whose
-    `optimizer` is `optimizer`. Custom loops pass the model explicitly
-    (`LossScaleOptimizer.track(model)`).
+
+def replace_update_step(optimizer, fn):
+    """Makes `optimizer` call `fn(gradient, variable, learning_rate)` per variable (fused Adam, Kahan)."""
+    optimizer.update_step = fn
+
+
+def replaced_update_step(optimizer):
+    """The instance's own `update_step` set by `replace_update_step`, or None."""
+    return vars(optimizer).get("update_step")
+
+
+def restore_update_step(optimizer):
+    """Gives `optimizer` back its class's `update_step`."""
+    vars(optimizer).pop("update_step", None)
+
+
+def route_assigns(optimizer, route):
+    """Makes `optimizer.assign` / `assign_add` / `assign_sub` call `route(name, keras_method)(variable, value)`.
+
+    `"kahan"` hands Keras's update a float32 view of a half variable; Keras
+    writes the variable through these three methods, which must write the view.
     """
-    import sys
+    for name in ("assign", "assign_add", "assign_sub"):
+        setattr(optimizer, name, route(name, getattr(optimizer, name)))
 
-    import keras
 
-    frame = sys._getframe(1)
-    for _ in range(depth):
-        frame = frame.f_back
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, keras.Model) and getattr(owner, "optimizer", None) is optimizer:
-            return owner
-    return None
+@contextlib.contextmanager
+def float32_slots(optimizer):
+    """While building `optimizer`, every half variable it adds (its slots) is float32 (`"kahan"`).
+
+    Keras creates slots in the variable's dtype through `add_variable`; no argument changes that.
+    """
+
+    def add_variable(shape, initializer="zeros", dtype=None, aggregation="none", layout=None, name=None):
+        if dtype is not None and keras.backend.standardize_dtype(dtype) in ("float16", "bfloat16"):
+            dtype = "float32"
+        return type(optimizer).add_variable(optimizer, shape, initializer=initializer, dtype=dtype,
+                                            aggregation=aggregation, layout=layout, name=name)
+
+    optimizer.add_variable = add_variable
+    try:
+        yield
+    finally:
+        del optimizer.add_variable
+
+
+def loads_nothing(optimizer):
+    """Makes a Keras optimizer's `load_own_variables` a no-op: its owner loads (and converts) its variables.
+
+    Keras loads the inner optimizer's entry of a weights file after the
+    outer's; kmix's outer optimizer reads them, converted between opt levels.
+    """
+    optimizer.load_own_variables = lambda store: None
 
 
 def adam_slots(optimizer, variable):

@@ -1,37 +1,16 @@
 """Gradient all-reduce in float16 or bfloat16 (`allreduce_dtype`), checked on the sums.
 
-What Apex, DeepSpeed and Megatron-LM do, and torch DDP's
-`fp16_compress_hook` / Horovod's `Compression.fp16`: the gradients cross the
-wire in half precision, half the bytes of float32. kmix reduces them itself,
-in `kmix.LossScaleOptimizer.apply`, and the inner optimizer takes the sums
-as they are (`kmix._compat.take_gradients_as_reduced`):
+Half the bytes of float32 on the wire, as Apex, DeepSpeed and torch's
+`fp16_compress_hook` do; the inner optimizer takes the sums as they are:
 
     g = float32(g) * m              # m = 1 for scaled gradients, the loss scale for unscaled ones
-    b = all_reduce(SUM, max|g|)     # float16 only: one float32 per variable, summed over replicas
-    w = 2^(14 - exponent(b))        # float16 only: b * w in [2^14, 2^15), so no sum can overflow
-    s = all_reduce(SUM, half(g * w)) / w   # in half precision, over every replica of every worker
-    finite = all(isfinite(s))       # the same on every replica: no flag all-reduce
-    update with s / scale           # unscaled in float32, or skipped everywhere
+    b = all_reduce(SUM, max|g|)     # float16 only: one float32 per variable
+    w = 2^(14 - exponent(b))        # float16 only: no partial sum can overflow; 1 where b is not finite
+    s = all_reduce(SUM, half(g * w)) / w
+    finite = all(isfinite(s))       # the same on every replica: an inf anywhere skips the step everywhere
 
-- float16: its range (65504) is too small for what float32 layers compute:
-  the scaled gradient of a float32 output layer is often above it, and cast
-  as it is (torch's `fp16_compress_hook` does) it becomes inf and skips a
-  step that a float32 reduce takes. The wire scale `w`, a power of two per
-  variable and step, puts the largest value any partial sum can reach
-  (`b`, the sum over replicas of each replica's largest magnitude) just
-  below 2^15, whatever the loss scale and the number of replicas, and is
-  divided out exactly. What it costs: one pass for the maxima and one small
-  all-reduce of 4 bytes per variable. An inf or NaN on any replica still
-  reaches the sums (`w` is 1 where `b` is not finite): the step is skipped
-  everywhere and the dynamic scale backs off.
-- bfloat16: float32's range, so no wire scale; 8 significant bits.
-- Averaging: Keras's `fit` divides each replica's loss by the number of
-  replicas (`compile`'s loss), and custom loops do with
-  `tf.nn.compute_average_loss(..., global_batch_size=...)`: each replica's
-  gradient is already its share of the mean, so the sum is the mean. No
-  other division.
-- No strategy, or one replica: nothing to reduce; `allreduce_dtype` does
-  nothing (the gradients stay as they are).
+Each replica's gradient is already its share of the mean (Keras divides the
+loss by the replicas), so the sum is the mean. One replica: nothing to reduce.
 """
 
 import tensorflow as tf

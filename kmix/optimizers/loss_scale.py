@@ -1,88 +1,61 @@
-"""`kmix.LossScaleOptimizer`: dynamic loss scaling with bounds, hysteresis and counters."""
+"""`kmix.LossScaleOptimizer`: dynamic loss scaling with bounds, hysteresis and counters, in one object."""
 
 import contextlib
 import functools
+import logging
 import types
+import warnings
 import weakref
 
 import keras
 import tensorflow as tf
 
-from kmix._compat import model_building, no_automatic_dependency_tracking, optimizer_variable_key
-from kmix._compat import take_gradients_as_reduced
-from kmix.optimizers import accumulation, allreduce, arguments, counters, follow_model, fused_adam, kahan
-from kmix.optimizers import master_weights as mw
-from kmix.optimizers import replicas, saved_level, scaled_check, step_state
-from kmix.optimizers.scaled_check import unscale
+from kmix import _checks as checks
+from kmix import _compat
+from kmix.optimizers import allreduce, saved_level, scaling, steps, updates
+from kmix.optimizers.scaling import AUTO
+
+_log = logging.getLogger("kmix")
 
 
 @keras.saving.register_keras_serializable(package="kmix")
-class LossScaleOptimizer(counters.CounterViews, keras.optimizers.LossScaleOptimizer):
-    """A `keras.optimizers.LossScaleOptimizer` with bounds, hysteresis and counters.
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """A `keras.optimizers.LossScaleOptimizer` with bounds, hysteresis, counters and float32 master weights.
 
-    The loss is multiplied by `loss_scale` before the backward pass so that
-    small float16 gradients do not flush to zero; the gradients are divided by
-    it again (in float32) before the inner optimizer sees them. On every
-    `apply(grads)` / `apply_gradients`:
+    On every `apply(grads)` / `apply_gradients`:
 
     ```
-    scaled = the step's route (kmix.optimizers.scaled_check): scale_loss, get_unscaled_gradients, neither
     grads = all-reduce(grads)                # by kmix in `allreduce_dtype`, or by the inner optimizer
-    finite = all gradients finite            # decided on the sums over all replicas
-    if finite: apply inner optimizer to grads / scale if scaled else grads (in float32)
-    else: skip (no weight, slot, EMA or iteration changes); skipped_steps += 1
-    scale, good_steps, hysteresis_left = ScaleRule(...).adjust(state, finite)
+    finite = all gradients finite            # on the sums over all replicas
+    if finite: inner optimizer applies grads / scale (in float32; on master copies where there are some)
+    else: skip (no weight, slot or iteration changes; what the forward pass wrote is put back)
+    scale, counters = ScaleRule(...).adjust(state, finite)        # kmix.optimizers.scaling
     ```
 
-    The scale rule (growth, back-off, hysteresis, bounds) is spelled out in
-    `kmix.optimizers.scale_rule.ScaleRule`. With `hysteresis=1` and the bounds
-    out of reach it is `torch.amp.GradScaler`'s trajectory; with
-    `hysteresis=2` it is Megatron-LM's.
-
-    It is a subclass of Keras's class, so `model.compile` does not wrap it
-    again and Keras's trainer calls its `scale_loss`. Keras's variables
-    `dynamic_scale` (the scale) and `step_counter` (`good_steps`) are kept.
+    Every argument is kept by `get_config`, so `from_config(get_config())` is
+    the same optimizer. `"auto"` (what `kmix.wrap` passes outside a float16
+    policy) is decided in `build` from the variables `fit` hands it: dynamic
+    where they are float16, were placed by `kmix.autocast` to compute in
+    float16, or belong to the model given to `track`; else at the first traced
+    step, where it computes through float16 operations; else a fixed scale of 1.
 
     Args:
         inner_optimizer: the `keras.optimizers.Optimizer` to wrap.
-        initial_scale: the first loss scale, > 0 and within the bounds.
-        growth_interval: finite steps between two growths, an int >= 1.
-            `dynamic_growth_steps`, Keras's name, is accepted as an alias.
-        growth_factor: what the scale is multiplied by on growth, > 1.
-        backoff_factor: what the scale is multiplied by on overflow, in (0, 1).
-        hysteresis: overflows tolerated before the scale backs off, int >= 1.
-        min_scale: the floor of the scale, > 0.
-        max_scale: the cap of the scale, >= `min_scale`.
-        dynamic: `False` keeps the scale at `initial_scale`; non-finite steps
-            are still skipped.
-        master_weights: `True` keeps float32 copies of float16/bfloat16
-            trainable variables for the inner optimizer to update; `False`
-            updates the variables directly; `"auto"` (the default) is `True`
-            unless the active policy has half parameters and asks for none
-            (`"O3"`, `"float16"`, `"bfloat16"`). `"kahan"`: a 2-byte buffer
-            of each update's rounding remainder instead of a float32 copy;
-            the inner optimizer computes in float32 with float32 slots
-            (SGD, Adam, AdamW, RMSprop, Adagrad, Adamax, Lion, Lamb,
-            Adadelta); see `kmix.optimizers.kahan`.
-        accumulation_steps: micro-batches per optimizer step, an int >= 1. Their
-            unscaled float32 gradients are summed and their mean applied once;
-            one overflow discards the whole step (see `flush` for the
-            remainder at the end of training).
-        allreduce_dtype: None (the default): the inner optimizer all-reduces
-            the gradients in their own dtype, as Keras does. `"float16"` or
-            `"bfloat16"`: with more than one replica kmix sums them over the
-            replicas in that dtype (half the bytes; float16 with a wire scale
-            per variable and step that keeps the sums in range), checks the
-            sums (an inf on any replica skips the step everywhere) and applies
-            in float32. See `kmix.optimizers.allreduce`.
-        restore_on_skip: True (the default): a skipped step also puts back
-            what its forward pass wrote (batch-norm statistics, seed states),
-            found in the traced step (`kmix.optimizers.step_state`). False:
-            they keep what the skipped step wrote (Keras's behaviour).
-        fused_update: True (the default): `keras.optimizers.Adam` / `AdamW`
-            (without `amsgrad`) update dense float32 variables on TensorFlow's
-            fused `ResourceApplyAdam` kernel (`kmix.optimizers.fused_adam`).
-            False: Keras's own update.
+        initial_scale: the first scale, > 0, or `"auto"`: the scale
+            `kmix.autocast(..., sample=)` advised, else 2^15 (1 when fixed).
+        growth_interval: finite steps between two growths (`dynamic_growth_steps`, Keras's name, too).
+        growth_factor: the scale's factor on growth, > 1.
+        backoff_factor: the scale's factor on overflow, in (0, 1).
+        hysteresis: overflows tolerated before the scale backs off, >= 1.
+        min_scale, max_scale: the scale's bounds.
+        dynamic: True, False (a fixed scale; non-finite steps still skipped) or `"auto"`.
+        master_weights: `"auto"` (on unless the policy asks for half parameters without, as O3), True
+            (float32 copies of half trainable variables), False, or `"kahan"` (a 2-byte remainder each).
+        accumulation_steps: micro-batches per step; their float32 gradients are averaged, one overflow
+            skips the window (`flush` applies a partial one).
+        allreduce_dtype: None, or `"float16"` / `"bfloat16"`: gradients summed over replicas in that dtype.
+        restore_on_skip: a skipped step puts back what its forward pass wrote (batch-norm statistics).
+        fused_update: exact Adam / AdamW update dense float32 variables on TensorFlow's fused kernel.
         name: the optimizer's name.
 
     Example:
@@ -97,176 +70,204 @@ class LossScaleOptimizer(counters.CounterViews, keras.optimizers.LossScaleOptimi
                  backoff_factor=0.5, hysteresis=1, min_scale=1.0, max_scale=2.0**24, dynamic=True, name=None,
                  master_weights="auto", accumulation_steps=1, dynamic_growth_steps=None, allreduce_dtype=None,
                  restore_on_skip=True, fused_update=True, **kwargs):
-        (initial_scale, growth_interval, growth_factor, backoff_factor, hysteresis, min_scale, max_scale,
-         dynamic, master_weights, accumulation_steps, allreduce_dtype) = arguments.check(
-            inner_optimizer, initial_scale, growth_interval, growth_factor, backoff_factor, hysteresis,
-            min_scale, max_scale, dynamic, master_weights, accumulation_steps, dynamic_growth_steps,
-            allreduce_dtype,
-        )
-        super().__init__(inner_optimizer, initial_scale=initial_scale, dynamic_growth_steps=growth_interval,
-                         name=name, **kwargs)
+        if dynamic_growth_steps is not None:
+            if growth_interval not in (2000, dynamic_growth_steps):
+                raise ValueError("`dynamic_growth_steps` is Keras's name for `growth_interval`; pass only one. "
+                                 f"Received: growth_interval={growth_interval!r}, "
+                                 f"dynamic_growth_steps={dynamic_growth_steps!r}")
+            growth_interval = scaling.count("dynamic_growth_steps", dynamic_growth_steps)
+        scaling.check_inner(inner_optimizer)
+        initial_scale, dynamic, min_scale, max_scale = scaling.check_scales(initial_scale, dynamic, min_scale,
+                                                                            max_scale)
+        growth_interval = scaling.count("growth_interval", growth_interval)
+        if master_weights == "auto":
+            master_weights = scaling.auto_master_weights()
+        elif master_weights == "kahan":
+            updates.check_kahan(inner_optimizer)
+        elif not isinstance(master_weights, bool):
+            raise ValueError("`master_weights` must be 'auto', True, False or 'kahan'. "
+                             f"Received: master_weights={master_weights!r}")
+        start = initial_scale if initial_scale != AUTO else (scaling.DEFAULT_SCALE if dynamic is True else 1.0)
+        super().__init__(inner_optimizer, initial_scale=start, dynamic_growth_steps=growth_interval, name=name,
+                         **kwargs)
+        self._initial_request, self._dynamic_request = initial_scale, dynamic
+        self.dynamic = dynamic is True  # "auto": fixed until the variables or the step say float16
         self.growth_interval = growth_interval
-        self.growth_factor = growth_factor
-        self.backoff_factor = backoff_factor
-        self.hysteresis = hysteresis
-        self.min_scale = min_scale
-        self.max_scale = max_scale
-        self.dynamic = dynamic
-        self._master_weights_request = master_weights  # as resolved here: what get_config saves
-        self.accumulation_steps = accumulation_steps
-        self.allreduce_dtype = allreduce_dtype
-        self.restore_on_skip = arguments.check_flag("restore_on_skip", restore_on_skip)
-        self.fused_update = arguments.check_flag("fused_update", fused_update)
-        if fused_update:
-            fused_adam.install(inner_optimizer)
-        else:
-            fused_adam.remove(inner_optimizer)
-        self._tracked = None  # what `track` was given: a weak reference to a model, or a tuple of variables
-        self._window_starts = {}  # under accumulation: step_state.WindowStart by the written variables' specs
+        self.growth_factor = checks.real("growth_factor", growth_factor, low=1.0, low_open=True)
+        self.backoff_factor = checks.real("backoff_factor", backoff_factor, low=0.0, high=1.0, low_open=True,
+                                          high_open=True)
+        self.hysteresis = scaling.count("hysteresis", hysteresis)
+        self.min_scale, self.max_scale = min_scale, max_scale
+        self._bounds = (min_scale, max_scale)
+        self._master_weights_request = master_weights
+        self.accumulation_steps = scaling.count("accumulation_steps", accumulation_steps)
+        self.allreduce_dtype = allreduce.check_dtype(allreduce_dtype)
+        self.restore_on_skip = scaling.flag("restore_on_skip", restore_on_skip)
+        self.fused_update = scaling.flag("fused_update", fused_update)
+        updates.use_fused_adam(inner_optimizer, fused_update)
+        self._marks = steps.StepMarks()
+        self._tracked = None  # a weak reference to the model `track` was given, or a tuple of variables
+        self._window_starts = {}  # under accumulation: steps.WindowStart by the written variables' specs
+        self._undecided = dynamic is not True  # no evidence of float16 compute yet (to switch, or to warn)
 
-    @no_automatic_dependency_tracking
+    @_compat.no_automatic_dependency_tracking
     def build(self, var_list):
         """Creates the scale, the counters, master weights and the inner optimizer's slots."""
         if self.built:
             return
         var_list = list(var_list)
-        follow_model.follow(self, var_list, self._tracked_model() or model_building(self))
-        kind = mw.kind_for(self._master_weights_request, var_list)  # first: a read before build is checked here
-        self._saved_layout = saved_level.install(self, saved_level.layout_of(self, var_list, kind))
-        self._variable_paths = [_variable_path(v) for v in var_list]
-        self._model_variables = var_list
-        self._masters, self._kahan = mw.create_for(self, self._master_weights_request, var_list)
-        # Keras's build creates `step_counter` and `dynamic_scale` and builds the inner
-        # optimizer on the list it is given: the float32 copies where there are some.
-        with kahan.float32_slots(self.inner_optimizer) if self._kahan else contextlib.nullcontext():
-            super().build([self._masters.get(i, v) for i, v in enumerate(var_list)])
+        self._settle(scaling.float16_evidence(var_list, self._tracked_model()), var_list)
+        kind = updates.kind_for(self._master_weights_request, var_list)
+        # The checkpoint record first: a read before `build` is checked before any variable exists.
+        self._saved = saved_level.SavedLevel(self, saved_level.Layout.of(var_list, kind, self._scaled()), None)
+        self._weights = self._saved.weights = updates.MasterWeights(self, self._master_weights_request, var_list)
+        with _compat.float32_slots(self.inner_optimizer) if kind == "kahan" else contextlib.nullcontext():
+            super().build(self._weights.targets())  # Keras's `step_counter`, `dynamic_scale`, inner slots
         if self.allreduce_dtype is not None:
-            take_gradients_as_reduced(self.inner_optimizer)  # `apply` hands it the sums
-        if self._kahan:
-            kahan.install(self.inner_optimizer, {
-                optimizer_variable_key(self.inner_optimizer, var_list[i]): (var_list[i], c)
-                for i, c in self._kahan.items()})
-        counters.create(self, len(var_list))
-        self._index = {id(v): i for i, v in enumerate(var_list)}
+            _compat.take_gradients_as_reduced(self.inner_optimizer)  # `apply` hands it the sums
+        self._weights.install_kahan(self.inner_optimizer)
+        self._skipped_steps = self._int_variable("skipped_steps")
+        self._hysteresis_left = self._int_variable("hysteresis_left", self.hysteresis)
+        self._overflow_counts = self._int_variable("overflow_counts", shape=(len(var_list),))
+        self._min_scale_overflows = self._int_variable("min_scale_overflows")
+        self._growth_interval_var = self._int_variable("current_growth_interval", self.growth_interval)
         if self.accumulation_steps > 1:
-            accumulation.create_state(self, var_list)
+            self._accumulators = [self.add_variable(tuple(v.shape), dtype="float32", initializer="zeros",
+                                                    aggregation="none", name="accumulator_" + _slug(v))
+                                  for v in var_list]
+            self._micro_step = self._int_variable("micro_step")
+            self._window_nonfinite = self.add_variable((len(var_list),), dtype="float32", initializer="zeros",
+                                                       aggregation="none", name="window_nonfinite")
+            self._accumulated = [True] * len(var_list)  # which variables receive gradients, for `flush`
+
+    def _int_variable(self, name, initial=0, shape=()):
+        return self.add_variable(shape=shape, dtype="int64", initializer=keras.initializers.Constant(initial),
+                                 aggregation="none", name=name)
+
+    def _settle(self, float16, var_list):
+        """Decides an `"auto"` scale: dynamic where the variables compute in float16, else fixed."""
+        dynamic = float16 if self._dynamic_request == AUTO else self._dynamic_request
+        advised = scaling.advised_scale(var_list)
+        start = self._initial_request if self._initial_request != AUTO else (
+            (advised or scaling.DEFAULT_SCALE) if dynamic else 1.0)
+        self._undecided = self._undecided and not float16
+        if dynamic and self._dynamic_request == AUTO:
+            _log.info("kmix: %s %r trains variables that compute in float16, but was wrapped under a policy "
+                      "without float16 compute (fixed scale): switched to dynamic loss scaling from %g%s.",
+                      type(self).__name__, self.name, start, " (the scale kmix.autocast advised)" if advised else "")
+        elif dynamic and advised and self._initial_request == AUTO:
+            _log.info("kmix: %s %r starts its loss scale at %g, the scale kmix.autocast advised.",
+                      type(self).__name__, self.name, start)
+        elif float16 and not dynamic and start == 1.0:
+            warnings.warn(
+                f"{type(self).__name__} {self.name!r} trains variables whose layers compute in float16 with a "
+                "fixed loss scale of 1, as its arguments ask (dynamic=False, initial_scale=1): small float16 "
+                f"gradients flush to zero. For dynamic loss scaling, wrap the optimizer with `kmix.wrap(opt, "
+                f"dynamic=True, initial_scale={advised or scaling.DEFAULT_SCALE:g})`, or call `kmix.wrap(opt)` "
+                "inside `kmix.policy_scope(level)`.", stacklevel=5)
+        self.dynamic, self.initial_scale = dynamic, start
+        self._bounds = (min(self.min_scale, start), max(self.max_scale, start)) if dynamic else self._bounds
+
+    def _scaled(self):
+        return bool(self.dynamic or self.initial_scale != 1.0)
 
     # ------------------------------------------------------------ what it holds
     @property
     def loss_scale(self):
         """The current loss scale, a float32 scalar tensor; before `build`, the one it will start from."""
-        if not self.built:
-            return tf.constant(follow_model.planned_scale(self), tf.float32)
-        return tf.convert_to_tensor(self.dynamic_scale)
+        return tf.convert_to_tensor(self.dynamic_scale) if self.built else tf.constant(self.initial_scale, tf.float32)
 
     @property
     def master_weights(self):
-        """What keeps the updates' low bits: True (float32 copies), `"kahan"` or False.
+        """True (float32 copies in force), `"kahan"` or False; before `build`, the request it will act on."""
+        return self._weights.in_force if self.built else self._master_weights_request
 
-        Once built, the truth (True only where float32 copies exist: some
-        trainable variable is half); before, the request it will act on
-        (`"auto"` resolved), which is what `get_config` saves.
-        """
+    def _counter(self, name):
         if not self.built:
-            return self._master_weights_request
-        return mw.in_force(self._masters, self._kahan)
+            raise ValueError(f"{type(self).__name__} {self.name!r} is not built yet: its counters exist once it "
+                             "has applied a step or `optimizer.build(model.trainable_variables)` was called.")
+        return getattr(self, name)
+
+    good_steps = property(lambda self: self._counter("step_counter"),
+                          doc="Finite steps since the scale last changed (Keras's `step_counter`).")
+    skipped_steps = property(lambda self: self._counter("_skipped_steps"),
+                             doc="Steps skipped for non-finite gradients (an int64 variable).")
+    hysteresis_left = property(lambda self: self._counter("_hysteresis_left"),
+                               doc="Overflows left before the next back-off (an int64 variable).")
+    overflow_counts = property(lambda self: self._counter("_overflow_counts"),
+                               doc="Per trainable variable, how often its gradient was non-finite (int64).")
+    min_scale_overflows = property(lambda self: self._counter("_min_scale_overflows"),
+                                   doc="Overflows while the scale was already at `min_scale`.")
+    current_growth_interval = property(lambda self: self._counter("_growth_interval_var"),
+                                       doc="The growth interval in force (`LossScaleWarmup` changes it).")
+
+    def overflow_report(self, top=None):
+        """`(variable_path, count)` for the variables whose gradients were non-finite, most frequent first."""
+        counts = self.overflow_counts
+        return scaling.report([getattr(v, "path", None) or v.name for v in self._weights.variables], counts, top)
 
     # ------------------------------------------------------------ the routes in
     def scale_loss(self, loss):
-        """Multiplies `loss` by the current scale (what Keras's trainer calls), and marks the step.
-
-        Before the optimizer is built this uses the scale it will start from; a
-        `tf.function` that builds it on its first call is traced again once the
-        variables exist. The mark tells `apply` / `apply_gradients` in the same
-        step that their gradients are scaled (`kmix.optimizers.scaled_check`).
-        """
-        scaled_check.mark_scaled(self, loss)
-        return keras.ops.multiply(loss, self.dynamic_scale if self.built else follow_model.planned_scale(self))
+        """`loss * loss_scale` (what Keras's trainer calls); marks the step's gradients as scaled."""
+        self._marks.scaled(loss)
+        return keras.ops.multiply(loss, self.dynamic_scale if self.built else self.initial_scale)
 
     def get_scaled_loss(self, loss):
-        """tf.keras's name for `scale_loss`: `loss * loss_scale`, for custom loops."""
+        """tf.keras's name for `scale_loss`, for TensorFlow's guide loop."""
         return self.scale_loss(loss)
 
     def get_unscaled_gradients(self, grads):
-        """tf.keras's name: each gradient divided by the current scale, in float32.
-
-        `apply` / `apply_gradients` in the same step know these, and in a
-        `tf.function` what is computed from them (clipped, say), as unscaled:
-        TensorFlow's guide loop trains as written.
-        """
+        """tf.keras's name: each gradient divided by the scale, in float32; `apply` then takes them as given."""
         scale = self.loss_scale
-        unscaled = [None if g is None else unscale(g, scale) for g in grads]
-        scaled_check.mark_unscaled(self, grads, unscaled)
+        unscaled = [None if g is None else steps.unscale(g, scale) for g in grads]
+        self._marks.unscaled(grads, unscaled)
         return unscaled
 
     def apply_gradients(self, grads_and_vars, scaled=None):
-        """Applies `(gradient, variable)` pairs once, or skips the step if any is non-finite.
-
-        Args:
-            grads_and_vars: pairs `(gradient or None, variable)`.
-            scaled: as for `apply`.
-
-        Returns:
-            The optimizer's `iterations`.
-        """
+        """Applies `(gradient, variable)` pairs once, or skips the step if any is non-finite; see `apply`."""
         grads, variables = zip(*grads_and_vars)
-        loss = scaled_check.step_loss(self)
-        scaled = scaled_check.decide(self, grads, variables, scaled, "apply_gradients")
-        return self._apply_checked(grads, variables, scaled, loss)
+        loss = self._marks.loss()
+        scaled = steps.decide(self, self._marks, grads, variables, scaled, "apply_gradients")
+        return self._apply_checked(list(grads), variables, scaled, loss)
 
     def apply(self, grads, trainable_variables=None, scaled=None):
-        """Applies `grads` once, or skips the step if any is non-finite.
-
-        With `accumulation_steps=k`, each call is one micro-batch: its
-        unscaled float32 gradients are summed, and every k-th call applies
-        their mean, or skips the whole step if any of the k overflowed.
+        """Applies `grads` once, or skips the step if any is non-finite (one micro-batch under accumulation).
 
         Args:
             grads: one gradient (or None) per variable.
             trainable_variables: the variables; those it was built with by default.
-            scaled: None (the default): decided when the step is traced
-                (`kmix.optimizers.scaled_check`): what `get_unscaled_gradients`
-                returned, or was computed from it, is used as given; else the
-                gradients of a loss that went through `scale_loss` in the step
-                are divided by the scale; else (a step written for float32)
-                they are used as given, with a warning once. True: divide.
-                False: use as given. Either way in float32, checked and counted.
+            scaled: None: decided from the traced step (`kmix.optimizers.steps`); True: divide by the
+                scale; False: use as given.
 
         Returns:
             The optimizer's `iterations`.
 
         Example:
             >>> grads = opt.get_unscaled_gradients(tape.gradient(opt.scale_loss(loss), variables))
-            >>> grads, _ = tf.clip_by_global_norm(grads, 1.0)  # clip the true gradients
-            >>> opt.apply(grads, variables, scaled=False)      # scaled=False: said, not inferred
+            >>> opt.apply(tf.clip_by_global_norm(grads, 1.0)[0], variables, scaled=False)
         """
         grads = list(grads)
-        loss = scaled_check.step_loss(self)
-        scaled = scaled_check.decide(self, grads, trainable_variables, scaled, "apply")
+        loss = self._marks.loss()
+        scaled = steps.decide(self, self._marks, grads, trainable_variables, scaled, "apply")
         return self._apply_checked(grads, trainable_variables, scaled, loss)
 
     def flush(self):
-        """Applies a partial accumulation (fewer than `accumulation_steps` micro-batches).
-
-        Divides by the number of micro-batches summed (MMCV's remainder rule).
-        `model.fit` calls it at the end of training; a custom loop calls it
-        at its end. A no-op without accumulation or with nothing pending.
-        """
+        """Applies a partial accumulation, divided by the micro-batches summed (`fit` calls it at its end)."""
         if self.accumulation_steps == 1 or not self.built:
             return
         if tf.distribute.in_cross_replica_context():
             tf.distribute.get_strategy().run(self.flush)
             return
-        accumulation.flush(self)
+        count = tf.convert_to_tensor(self._micro_step)
+        self._finish(count > 0, tf.convert_to_tensor(self._window_nonfinite), count, self.loss_scale,
+                     lambda skipped: None)  # outside any step: no forward pass wrote anything
 
     def track(self, model):
-        """Restricts what a skipped step puts back to `model`'s variables, and tells `wrap` the model.
+        """Names the model this optimizer trains: a skipped step puts back only its variables.
 
-        A skipped step puts back whatever the traced step's forward pass wrote
-        (`kmix.optimizers.step_state`), found in the step itself: `fit` and
-        custom loops need nothing. A `train_step` with two optimizers (a GAN)
-        calls `track(sub_model)` on each, so that neither puts back the
-        other's forward pass. Loaded or set weights need no call.
+        `fit` and custom loops need no call. A `train_step` with two optimizers (a
+        GAN) calls `track(sub_model)` on each; a model given before `build` also
+        tells `"auto"` whether its layers compute in float16.
 
         Args:
             model: a `keras.Model` or layer, or a list of variables.
@@ -277,111 +278,187 @@ class LossScaleOptimizer(counters.CounterViews, keras.optimizers.LossScaleOptimi
         Example:
             >>> g_opt = kmix.wrap(keras.optimizers.Adam(1e-3)).track(generator)
         """
-        variables = step_state.variables_of(model)
-        if isinstance(model, keras.Model):
-            # A weak reference: saving walks the optimizer's attributes, and the model holds the optimizer.
-            self._tracked = weakref.ref(model)
-        else:
-            self._tracked = types.SimpleNamespace(variables=tuple(variables))  # not tracked for saving
+        variables = steps.variables_of(model)
+        # A weak reference: saving walks the optimizer's attributes, and the model holds the optimizer.
+        self._tracked = (weakref.ref(model) if isinstance(model, keras.Model)
+                         else types.SimpleNamespace(variables=tuple(variables)))  # not tracked for saving
         return self
 
     def _tracked_model(self):
         return self._tracked() if isinstance(self._tracked, weakref.ref) else None
 
-    def _written(self, loss):
-        """What this traced step's forward pass wrote (empty with `restore_on_skip=False` or eagerly)."""
-        if not self.restore_on_skip:
-            return step_state.Written.nothing()
-        only = getattr(self._tracked, "variables", None)
-        if isinstance(self._tracked, weakref.ref):
-            model = self._tracked()
-            only = None if model is None else model.non_trainable_variables
-        written = step_state.Written(self._model_variables, loss, only)
-        self._written_in_last_trace = len(written)  # how many variables a skipped step puts back (tests, debugging)
-        return written
-
     # ------------------------------------------------------------ one step
     def _apply_checked(self, grads, trainable_variables, scaled, loss=None):
-        """Reduce, check, unscale and apply (or skip), update the scale: the body of `apply`."""
-        grads = list(grads)
         if not self.built:
-            # No outer name scope (Keras's class opens one here): each optimizer scopes
-            # its own variables, so slot paths are the same however the build happens.
             self.build(trainable_variables)
-        variables = arguments.resolve_variables(self, grads, trainable_variables)
+        variables = self._weights.variables if trainable_variables is None else list(trainable_variables)
+        self._check_variables(grads, variables)
         ctx = tf.distribute.get_replica_context()
         if ctx is None:
-            raise ValueError("apply() must be called in a replica context (inside `strategy.run`), "
-                             "not in the cross-replica context.")
+            raise ValueError("apply() must be called in a replica context (inside `strategy.run`), not in the "
+                             "cross-replica context.")
+        if self._undecided and tf.inside_function():
+            self._settle_in_step(grads)
         scale = tf.convert_to_tensor(self.dynamic_scale)
         reduce_here = allreduce.reduces_here(self.allreduce_dtype, ctx)
         if reduce_here and self.accumulation_steps == 1:
-            # Scaled half sums, the same on every replica (accumulation reduces once per window).
             grads = allreduce.all_reduce(grads, variables, self.allreduce_dtype, None if scaled else scale)
             scaled = True
-        nonfinite = counters.nonfinite(self, grads, variables)
+        nonfinite = self._nonfinite(grads, variables)
         if ctx.num_replicas_in_sync > 1 and not reduce_here:
-            # Every replica sees every replica's overflow, so all skip together.
-            nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
+            nonfinite = ctx.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)  # every replica skips together
         finite = tf.equal(tf.reduce_sum(nonfinite), 0.0)
-        # Unscaled gradients, or a fixed scale of 1 (bfloat16, float32): nothing to divide by, which
-        # saves a pass over every gradient (half gradients still go to float32).
-        divisor = scale if scaled and (self.dynamic or self.initial_scale != 1.0) else None
-        unscaled = [
-            g if g is None or getattr(v, "overwrite_with_gradient", False) else unscale(g, divisor)
-            for g, v in zip(grads, variables)
-        ]
-        written = self._written(loss)
+        divisor = scale if scaled and self._scaled() else None  # a fixed scale of 1: nothing to divide by
+        unscaled = [g if g is None or getattr(v, "overwrite_with_gradient", False) else steps.unscale(g, divisor)
+                    for g, v in zip(grads, variables)]
+        only = getattr(self._tracked, "variables", None)
+        if isinstance(self._tracked, weakref.ref):
+            only = None if self._tracked() is None else self._tracked().non_trainable_variables
+        written = steps.Written(self._weights.variables, loss, only, enabled=self.restore_on_skip)
+        self._written_in_last_trace = len(written)  # how many variables a skipped step puts back (tests)
         if self.accumulation_steps == 1:
             self._apply_if(finite, unscaled, variables)
             written.restore(tf.logical_not(finite))
-            step_state.warn_eager_skip(self, tf.logical_not(finite))
-            counters.record_step(self, finite, nonfinite, scale)
+            steps.warn_eager_skip(self, tf.logical_not(finite))
+            self._record_step(finite, nonfinite, scale)
         else:
-            accumulation.add_micro_batch(self, finite, nonfinite, unscaled, variables, scale, written)
+            self._add_micro_batch(finite, nonfinite, unscaled, variables, scale, written)
         return self.iterations
 
-    def _apply_if(self, finite, unscaled, variables):
-        """Runs the inner optimizer on already unscaled gradients where `finite` holds (on masters if any)."""
-        replicas.run_if(finite, functools.partial(mw.apply_inner, self), unscaled, variables)
+    def _settle_in_step(self, grads):
+        """No float16 variables: the first traced step shows whether it computes in float16 (`"auto"` decides)."""
+        self._undecided = False
+        was_dynamic = self.dynamic
+        if not steps.computes_in_float16(grads):
+            return
+        self._settle(True, self._weights.variables)
+        if was_dynamic or not self.dynamic:
+            return
+        self._saved.layout = saved_level.Layout.of(self._weights.variables, self._weights.kind, True)
+        with tf.init_scope():  # before the step runs; a scale restored from a checkpoint is kept
+            if int(self.iterations) == 0:
+                self.dynamic_scale.assign(self.initial_scale)
 
-    def _window_start(self, written):
-        """The variables holding the written state's values from the window's first micro-batch."""
-        key = tuple((tuple(old.shape), old.dtype.name) for old in written.before)
-        if key not in self._window_starts:
-            self._window_starts[key] = step_state.WindowStart(written)
-        return self._window_starts[key]
+    def _check_variables(self, grads, variables):
+        if len(grads) != len(variables):
+            raise ValueError(f"Received {len(grads)} gradients for {len(variables)} variables; expected one "
+                             "gradient (or None) per variable.")
+        unknown = [getattr(v, "path", None) or v.name for v in variables if id(v) not in self._weights.index]
+        if unknown:
+            raise ValueError(f"{type(self).__name__} was built for other variables; received variables it does "
+                             f"not know: {unknown[:5]}. Build it with every variable it will update.")
+
+    def _nonfinite(self, grads, variables):
+        """A float32 vector over the built variables: 1 where the gradient is non-finite."""
+        slots = {self._weights.index[id(v)]: tf.reduce_all(tf.math.is_finite(
+            g.values if isinstance(g, tf.IndexedSlices) else g)) for g, v in zip(grads, variables) if g is not None}
+        count = len(self._weights.variables)
+        if not slots:
+            return tf.zeros((count,), tf.float32)
+        return tf.cast(tf.logical_not(tf.stack([slots.get(i, True) for i in range(count)])), tf.float32)
+
+    def _apply_if(self, finite, unscaled, variables):
+        steps.run_if(finite, functools.partial(self._weights.apply, self.inner_optimizer), unscaled, variables)
+
+    def _record_step(self, finite, nonfinite, scale, active=None):
+        """One step of the scale rule and the counters; nothing where `active` (a micro-batch) is False."""
+        rule = scaling.ScaleRule(self._growth_interval_var, self.growth_factor, self.backoff_factor,
+                                 self.hysteresis, *self._bounds, self.dynamic)
+        before = scaling.ScaleState(scale, tf.convert_to_tensor(self.step_counter),
+                                    tf.convert_to_tensor(self._hysteresis_left))
+        after = rule.adjust(before, finite)
+        zero = tf.constant(0, tf.int64)
+        skipped = tf.where(finite, zero, 1)
+        at_floor = tf.where(scale <= self._bounds[0], skipped, zero)
+        overflowed = tf.cast(nonfinite > 0, tf.int64)
+        if active is not None:
+            after = scaling.ScaleState(*(tf.where(active, a, b) for a, b in zip(after, before)))
+            skipped, at_floor = (tf.where(active, t, zero) for t in (skipped, at_floor))
+            overflowed = tf.where(active, overflowed, tf.zeros_like(overflowed))
+        self.dynamic_scale.assign(after.scale)
+        self.step_counter.assign(tf.cast(after.good_steps, self.step_counter.dtype))
+        self._hysteresis_left.assign(after.hysteresis_left)
+        self._skipped_steps.assign_add(skipped)
+        self._overflow_counts.assign_add(overflowed)
+        self._min_scale_overflows.assign_add(at_floor)
+
+    # ------------------------------------------------------------ accumulation
+    def _add_micro_batch(self, finite, nonfinite, unscaled, variables, scale, written):
+        """Sums one micro-batch; on the k-th applies the mean, or skips the window if any overflowed."""
+        received = [False] * len(self._weights.variables)
+        for g, v in zip(unscaled, variables):
+            if g is not None:
+                i = self._weights.index[id(v)]
+                received[i] = True
+                g = tf.cast(tf.convert_to_tensor(g), tf.float32)
+                self._accumulators[i].assign_add(tf.where(finite, g, tf.zeros_like(g)))
+        self._accumulated = received
+        window = tf.convert_to_tensor(self._window_nonfinite) + nonfinite
+        count = tf.convert_to_tensor(self._micro_step) + 1
+        start = []
+        if len(written):
+            key = tuple((tuple(old.shape), old.dtype.name) for old in written.before)
+            if key not in self._window_starts:
+                self._window_starts[key] = steps.WindowStart(written)
+            start = self._window_starts[key].take(written, tf.equal(count, 1))
+        self._finish(count >= self.accumulation_steps, window, count, scale,
+                     lambda skipped: written.restore(skipped, start))
+
+    def _finish(self, end, window, count, scale, restore):
+        divisor = tf.cast(tf.maximum(count, 1), tf.float32)
+        if allreduce.reduces_here(self.allreduce_dtype, tf.distribute.get_replica_context()):
+            steps.run_if(end, self._reduce_and_apply, window, divisor, scale, restore)  # one half all-reduce
+        else:
+            clean = tf.equal(tf.reduce_sum(window), 0.0)
+            means = [acc / divisor if on else None for acc, on in zip(self._accumulators, self._accumulated)]
+            self._apply_if(tf.logical_and(end, clean), means, self._weights.variables)
+            self._record_step(clean, window, scale, active=end)
+            restore(tf.logical_and(end, tf.logical_not(clean)))
+        for acc in self._accumulators:
+            acc.assign(tf.where(end, tf.zeros_like(acc), acc))
+        self._micro_step.assign(tf.where(end, tf.zeros_like(count), count))
+        self._window_nonfinite.assign(tf.where(end, tf.zeros_like(window), window))
+
+    def _reduce_and_apply(self, window, divisor, scale, restore):
+        """The window's scaled means summed in `allreduce_dtype`; a replica that overflowed sends NaN."""
+        means = [acc * (scale / divisor) if on else None for acc, on in zip(self._accumulators, self._accumulated)]
+        sums = allreduce.all_reduce(means, self._weights.variables, self.allreduce_dtype,
+                                    poison=[window[i] > 0 for i in range(len(means))])
+        nonfinite = self._nonfinite(sums, self._weights.variables)
+        finite = tf.equal(tf.reduce_sum(nonfinite), 0.0)
+        self._apply_if(finite, [None if s is None else s / scale for s in sums], self._weights.variables)
+        restore(tf.logical_not(finite))
+        self._record_step(finite, nonfinite, scale)
 
     def finalize_variable_values(self, var_list):
-        """Applies a pending partial accumulation, then lets the inner optimizer finalize (EMA)."""
+        """Applies a pending partial accumulation, then the inner optimizer's finalization (EMA)."""
         self.flush()
-        if not (getattr(self, "_masters", None) and all(id(v) in self._index for v in var_list)):
-            return super().finalize_variable_values(var_list)
-        mw.finalize(self, var_list)
+        if self.built and self._weights.copies and all(id(v) in self._weights.index for v in var_list):
+            self._weights.finalize(self.inner_optimizer, var_list)
+            return
+        super().finalize_variable_values(var_list)
 
     # ------------------------------------------------------------ saving and config
     def save_own_variables(self, store):
-        """Saves Keras's state by position and the layout it has at its opt level (`saved_level`).
-
-        Args:
-            store: the optimizer's entry of a Keras weights store.
-        """
+        """Keras's state by position, and the layout of its opt level (`kmix.optimizers.saved_level`)."""
         super().save_own_variables(store)
-        saved_level.write(self, store)
+        if self.built:
+            self._saved.write(store)
 
     def load_own_variables(self, store):
-        """Loads what `save_own_variables` wrote, converted from another opt level, or raises naming both.
-
-        Args:
-            store: the optimizer's entry of a Keras weights store.
-        """
-        saved_level.load(self, store, super().load_own_variables)
+        """Loads what `save_own_variables` wrote, converted from another opt level, or raises naming both."""
+        if not self.built:
+            super().load_own_variables(saved_level.without_record(store))  # Keras's warning: nothing to load into
+            return
+        self._saved.load(store, super().load_own_variables,
+                         [self.dynamic_scale, self.step_counter, self._hysteresis_left, self._growth_interval_var])
 
     def get_config(self):
-        """Every constructor argument, so `from_config` rebuilds the same optimizer."""
+        """Every constructor argument as given (`"auto"` kept), so `from_config` rebuilds the same optimizer."""
         config = super().get_config()
         config.pop("dynamic_growth_steps")
-        config.update({name: getattr(self, name) for name in _CONFIG}, master_weights=self._master_weights_request)
+        config.update({name: getattr(self, name) for name in _CONFIG}, master_weights=self._master_weights_request,
+                      initial_scale=self._initial_request, dynamic=self._dynamic_request)
         return config
 
     @classmethod
@@ -392,9 +469,9 @@ class LossScaleOptimizer(counters.CounterViews, keras.optimizers.LossScaleOptimi
         return cls(inner, **config)
 
 
-_CONFIG = ("growth_interval", "growth_factor", "backoff_factor", "hysteresis", "min_scale", "max_scale", "dynamic",
+_CONFIG = ("growth_interval", "growth_factor", "backoff_factor", "hysteresis", "min_scale", "max_scale",
            "accumulation_steps", "allreduce_dtype", "restore_on_skip", "fused_update")
 
 
-def _variable_path(v):
-    return getattr(v, "path", None) or v.name
+def _slug(v):
+    return (getattr(v, "path", None) or v.name).replace("/", "_").replace(":", "_")

@@ -2,13 +2,13 @@
 
 import inspect
 import logging
+import warnings
 
 import keras
 import tensorflow as tf
 
-from kmix import _checks as checks
-from kmix.optimizers import follow_model
 from kmix.optimizers.loss_scale import LossScaleOptimizer
+from kmix.optimizers.scaling import AUTO
 
 _log = logging.getLogger("kmix")
 
@@ -16,27 +16,18 @@ _log = logging.getLogger("kmix")
 def wrap(optimizer, **kwargs):
     """Returns `optimizer` wrapped in a `kmix.LossScaleOptimizer` suited to the policy.
 
-    Under a float16 compute policy the loss scale is dynamic (Keras's and
-    torch's defaults: 2^15, x2 every 2000 finite steps, /2 on overflow). Under
-    bfloat16 or float32, which need no loss scaling, the scale is fixed at 1
-    (`dynamic=False, initial_scale=1`) and non-finite steps are still skipped,
-    so one bad batch never corrupts the weights. What the caller does not
-    give is still the policy's to choose when the optimizer is built: a model
-    whose layers compute in float16 gets a dynamic scale (from the scale the
-    caller gave, the one `kmix.autocast(..., sample=)` advised, or 2^15), and
-    `dynamic=True` alone starts from the advised scale or 2^15.
+    Under a float16 compute policy the scale is dynamic (2^15, x2 every 2000
+    finite steps, /2 on overflow). Elsewhere `dynamic` and `initial_scale` are
+    `"auto"`: decided when the optimizer is built, dynamic where its variables
+    compute in float16 (from the scale `kmix.autocast(..., sample=)` advised,
+    or 2^15), else a fixed scale of 1 that still skips non-finite steps. In a
+    `MultiWorkerMirroredStrategy` scope it also runs
+    `kmix.distribute.enable_multi_worker_fit()` once.
 
     Args:
-        optimizer: a Keras optimizer instance, a name (`"adam"`) or a config
-            dict, as `keras.optimizers.get` accepts; or a Keras
-            `LossScaleOptimizer`, whose inner optimizer is re-wrapped and whose
-            current scale is kept; or a kmix optimizer, returned as it is.
-        **kwargs: arguments of `kmix.LossScaleOptimizer`; they override the
-            policy's defaults.
-
-    Called inside a `tf.distribute.MultiWorkerMirroredStrategy` scope, it also
-    runs `kmix.distribute.enable_multi_worker_fit()` (once), without which
-    Keras 3.15's `fit` fails under that strategy.
+        optimizer: a Keras optimizer, a name (`"adam"`) or a config dict; a Keras
+            `LossScaleOptimizer` (re-wrapped, its scale kept); a kmix one (returned as it is).
+        **kwargs: arguments of `kmix.LossScaleOptimizer`; they override the defaults above.
 
     Returns:
         A `kmix.LossScaleOptimizer`.
@@ -44,64 +35,39 @@ def wrap(optimizer, **kwargs):
     Example:
 
     >>> model.compile(optimizer=kmix.wrap(keras.optimizers.AdamW(3e-4)), loss="mse")
-    >>> kmix.wrap("adam", hysteresis=2)
-    >>> kmix.wrap("adam", allreduce_dtype="float16")  # gradients summed in float16 across replicas
-    >>> kmix.wrap("adam", dynamic=True)  # dynamic scaling from 2^15 (or the advised scale) under any policy
+    >>> kmix.wrap("adam", hysteresis=2, allreduce_dtype="float16")
     """
-    _check_keywords(kwargs)
-    _enable_multi_worker_fit_in_scope()
+    ours = [p for p in inspect.signature(LossScaleOptimizer.__init__).parameters
+            if p not in ("self", "inner_optimizer", "kwargs")]
+    unknown = sorted(set(kwargs) - set(ours) - set(inspect.signature(keras.optimizers.Optimizer.__init__).parameters))
+    if unknown:  # Keras's base arguments (clipnorm, ...) get Keras's own message
+        raise TypeError("`kmix.wrap` got unexpected keyword arguments. Received: "
+                        + ", ".join(f"{k}={kwargs[k]!r}" for k in unknown)
+                        + f". Accepted: {', '.join(ours)} (the arguments of kmix.LossScaleOptimizer).")
+    if isinstance(tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
+        from kmix.distribute import enable_multi_worker_fit, multi_worker_fit_enabled
+
+        if not multi_worker_fit_enabled():
+            enable_multi_worker_fit()
+            _log.info("kmix.wrap: under MultiWorkerMirroredStrategy; enabled kmix.distribute.enable_multi_worker_fit().")
     if isinstance(optimizer, LossScaleOptimizer):
         config = optimizer.get_config()
         conflicts = {k: v for k, v in kwargs.items() if k not in config or config[k] != v}
         if conflicts:
             raise ValueError(
-                "`optimizer` is already a kmix.LossScaleOptimizer; it is returned unchanged, so "
-                "keyword arguments must agree with its config. Received conflicting: "
+                "`optimizer` is already a kmix.LossScaleOptimizer; it is returned unchanged, so keyword arguments "
+                "must agree with its config. Received conflicting: "
                 + ", ".join(f"{k}={v!r} (has {config.get(k, 'no such argument')!r})" for k, v in conflicts.items())
-                + ". Create a new one with `kmix.LossScaleOptimizer(opt.inner_optimizer, ...)` instead."
-            )
+                + ". Create a new one with `kmix.LossScaleOptimizer(opt.inner_optimizer, ...)` instead.")
         return optimizer
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        defaults = {
-            "initial_scale": float(keras.ops.convert_to_numpy(optimizer.dynamic_scale))
-            if optimizer.built
-            else float(optimizer.initial_scale),
-            "growth_interval": optimizer.dynamic_growth_steps,
-        }
-        return LossScaleOptimizer(optimizer.inner_optimizer, **{**defaults, **kwargs})
-    inner = _get_optimizer(optimizer)
-    defaults = {}
-    if keras.config.dtype_policy().compute_dtype != "float16":
-        defaults["dynamic"] = False
-        if not kwargs.get("dynamic", False):  # `dynamic=True` alone starts where a dynamic scale does
-            defaults["initial_scale"] = 1.0
-    if kwargs.get("dynamic", defaults.get("dynamic", True)) is False and "min_scale" not in kwargs:
-        # Checked here first: the floor is computed from it before the constructor's checks run.
-        initial = checks.real("initial_scale", kwargs.get("initial_scale", 1.0), low=0.0, low_open=True)
-        defaults["min_scale"] = min(1.0, initial)
-    wrapped = LossScaleOptimizer(inner, **{**defaults, **kwargs})
-    # What the caller left to the policy, which `build` may revisit once it knows the model
-    # (kmix/optimizers/follow_model.py): a fixed scale becomes dynamic where layers compute in
-    # float16, and a scale wrap chose starts from the one kmix.autocast(..., sample=) advised.
-    wrapped._dynamic_from_policy = "dynamic" in defaults and "dynamic" not in kwargs
-    wrapped._initial_scale_from_wrap = "initial_scale" not in kwargs
-    wrapped._policy_name = follow_model.active_policy_name()
-    return wrapped
-
-
-def _check_keywords(kwargs):
-    """A `TypeError` naming keyword arguments that neither kmix's nor Keras's optimizer takes."""
-    ours = [p for p in inspect.signature(LossScaleOptimizer.__init__).parameters
-            if p not in ("self", "inner_optimizer", "kwargs")]
-    # Keras's base arguments (clipnorm, weight_decay, ...) get Keras's own message: set them on the inner optimizer.
-    known = set(ours) | set(inspect.signature(keras.optimizers.Optimizer.__init__).parameters)
-    unknown = sorted(k for k in kwargs if k not in known)
-    if unknown:
-        raise TypeError(
-            f"`kmix.wrap` got unexpected keyword arguments. Received: "
-            + ", ".join(f"{k}={kwargs[k]!r}" for k in unknown)
-            + f". Accepted: {', '.join(ours)} (the arguments of kmix.LossScaleOptimizer)."
-        )
+        scale = float(keras.ops.convert_to_numpy(optimizer.dynamic_scale)) if optimizer.built else float(
+            optimizer.initial_scale)
+        return LossScaleOptimizer(optimizer.inner_optimizer, **{
+            "initial_scale": scale, "growth_interval": optimizer.dynamic_growth_steps, **kwargs})
+    float16 = keras.config.dtype_policy().compute_dtype == "float16"
+    defaults = {"dynamic": True if float16 else AUTO, "initial_scale": AUTO}
+    return LossScaleOptimizer(_get_optimizer(optimizer), **{**defaults, **kwargs})
 
 
 def _get_optimizer(optimizer):
@@ -111,21 +77,47 @@ def _get_optimizer(optimizer):
         try:
             return keras.optimizers.get(optimizer)
         except ValueError as e:
-            raise ValueError(
-                f"`optimizer` could not be interpreted as a Keras optimizer. Received: "
-                f"optimizer={optimizer!r}. Expected an optimizer instance, a name such as "
-                f"'adam' or a config dict. ({e})"
-            ) from None
-    raise TypeError(
-        "`optimizer` must be a keras.optimizers.Optimizer instance, a name such as 'adam', or "
-        f"a config dict. Received: optimizer={optimizer!r} (of type {type(optimizer).__name__})."
-    )
+            raise ValueError(f"`optimizer` could not be interpreted as a Keras optimizer. Received: optimizer="
+                             f"{optimizer!r}. Expected an optimizer instance, a name such as 'adam' or a config "
+                             f"dict. ({e})") from None
+    raise TypeError("`optimizer` must be a keras.optimizers.Optimizer instance, a name such as 'adam', or a config "
+                    f"dict. Received: optimizer={optimizer!r} (of type {type(optimizer).__name__}).")
 
 
-def _enable_multi_worker_fit_in_scope():
-    from kmix.distribute import enable_multi_worker_fit, multi_worker_fit_enabled
+def unscaled_reason(optimizer):
+    """Why `optimizer` will not scale the loss, or None when it will (or decides when built)."""
+    if optimizer is None or isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and not isinstance(
+            optimizer, LossScaleOptimizer):
+        return None  # Keras's own is always dynamic
+    if isinstance(optimizer, LossScaleOptimizer):
+        if optimizer.dynamic or not optimizer.built or float(optimizer.loss_scale) != 1.0:
+            return None
+        return (f"kmix.LossScaleOptimizer {optimizer.name!r}, built with a fixed loss scale of 1 (wrapped outside "
+                "a float16 policy, or with dynamic=False)")
+    return (f"a plain {type(optimizer).__name__} (Keras adds loss scaling only when `compile` runs under "
+            "mixed_float16)")
 
-    in_scope = isinstance(tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy)
-    if in_scope and not multi_worker_fit_enabled():
-        enable_multi_worker_fit()
-        _log.info("kmix.wrap: under MultiWorkerMirroredStrategy; enabled kmix.distribute.enable_multi_worker_fit().")
+
+def warn_if_unscaled(model, policy):
+    """Warns once when `model` computes in float16 (`policy`) but its optimizer will not scale the loss.
+
+    `kmix.autocast` calls it at its end, for a model compiled before it was placed.
+
+    Returns:
+        True if it warned.
+    """
+    if policy.compute_dtype != "float16" or not getattr(model, "compiled", False):
+        return False
+    optimizer = getattr(model, "optimizer", None)
+    reason = unscaled_reason(optimizer)
+    if reason is None:
+        return False
+    inner = type(getattr(optimizer, "inner_optimizer", optimizer)).__name__
+    inner = f"keras.optimizers.{inner}" if getattr(keras.optimizers, inner, None) is not None else inner
+    warnings.warn(
+        f"Model {model.name!r} now computes in float16 ({policy.name}) but was compiled with {reason}: it will "
+        "train with no loss scaling, so small float16 gradients flush to zero. Recompile it inside the policy's "
+        f"scope: `with kmix.policy_scope({policy.name!r}): model.compile(optimizer=kmix.wrap({inner}(...)), "
+        "loss=...)`.", UserWarning, stacklevel=3)
+    return True
+

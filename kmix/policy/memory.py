@@ -301,7 +301,7 @@ def _state_bytes(optimizer, slots, params_dtype, mode):
     size = 4096
     probe = keras.Variable(np.zeros((64, 64), np.float32), dtype=params_dtype, name="memory_report_probe")
     wrapped.build([probe])
-    state = list(wrapped._masters.values()) + list(wrapped._kahan.values())
+    state = [v for v in wrapped.variables if v.name.startswith(("master_", "kahan_"))]
     slot_vars = [v for v in wrapped.inner_optimizer.variables if len(v.shape) > 0]
     return _nbytes(state) / size, _nbytes(slot_vars) / size
 

@@ -7,7 +7,7 @@ import warnings
 
 import keras
 
-from kmix.policy import _state
+from kmix import _state
 from kmix.policy.policy import Policy
 
 _WARNED = set()  # the opt levels `set_policy` / `policy_scope` have warned about in this process
@@ -81,7 +81,7 @@ def _layers_holding(keras_policy, baseline):
 def _set(policy):
     keras_policy = policy.to_keras()
     keras.config.set_dtype_policy(keras_policy)
-    _state.set(policy, keras_policy.name)
+    _state.set_active(policy, keras_policy.name)
     return policy
 
 
@@ -148,4 +148,4 @@ def active_policy():
     >>> kmix.active_policy() is None
     True
     """
-    return _state.get()
+    return _state.active_policy()

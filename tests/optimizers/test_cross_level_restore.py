@@ -14,7 +14,7 @@ import tensorflow as tf
 import kmix
 from kmix.optimizers import saved_level
 from kmix.optimizers.saved_level import RECORD_NAME, Layout
-from kmix.policy import advice
+from kmix import _state
 
 # name: (policy for kmix.autocast, or None for a float32 model kmix does not place; master_weights)
 LEVELS = {
@@ -28,8 +28,8 @@ LEVELS = {
 }
 AUX = {"float32": "none", "O1": "none", "O1-bfloat16": "none", "O2": "masters", "O2-bfloat16": "masters",
        "O2-kahan": "kahan", "O3": "none"}
-NAMES = {"float32": "float32", "O1": "O1-float16", "O1-bfloat16": "O1-bfloat16", "O2": "O2-float16",
-         "O2-bfloat16": "O2-bfloat16", "O2-kahan": "O2-float16", "O3": "O3-float16"}  # kmix.Policy(...).name
+NAMES = {"float32": "float32 or O1", "O1": "O1-float16", "O1-bfloat16": "O1-bfloat16", "O2": "O2-float16",
+         "O2-bfloat16": "O2-bfloat16", "O2-kahan": "O2-float16", "O3": "O3-float16"}  # kmix.Policy(...).name; "float32 or O1" for a model autocast did not place
 # Whether the run scales its loss (float16 compute): a scale carries over only between runs that agree.
 SCALED = {"float32": False, "O1": True, "O1-bfloat16": False, "O2": True, "O2-bfloat16": False, "O2-kahan": True,
           "O3": True}
@@ -62,7 +62,7 @@ def values(variables):
 
 
 def aux_variables(optimizer):
-    return list(optimizer._masters.values()) + list(optimizer._kahan.values())
+    return list(optimizer._weights.copies.values()) + list(optimizer._weights.remainders.values())
 
 
 def scale_state(optimizer):
@@ -111,7 +111,7 @@ def test_weights_file_converts_every_value(saved_at, read_at, tmp_path):
     inner = values(src_opt.inner_optimizer.variables)
     src_aux = {id(v) for v in aux_variables(src_opt)}
     own = values([v for v in src_opt._variables if id(v) not in src_aux])
-    saved_masters = values(src_opt._masters.values())
+    saved_masters = values(src_opt._weights.copies.values())
 
     target = make(read_at, seed=1, trained=False)
     opt = target.optimizer
@@ -126,12 +126,12 @@ def test_weights_file_converts_every_value(saved_at, read_at, tmp_path):
     assert_cast(own_here, own)  # scale, counters
     half_weights = [v for v in target.trainable_variables if keras.backend.standardize_dtype(v.dtype) != "float32"]
     if AUX[read_at] == "masters" and AUX[saved_at] == "masters":
-        assert_cast(opt._masters.values(), saved_masters)  # the saved copies: the low bits kept
+        assert_cast(opt._weights.copies.values(), saved_masters)  # the saved copies: the low bits kept
     elif AUX[read_at] == "masters":  # made from the loaded weights, as autocast makes them
         expected = [np.array(keras.ops.convert_to_numpy(v)).astype(np.float32) for v in half_weights]
-        assert_cast(opt._masters.values(), expected)
+        assert_cast(opt._weights.copies.values(), expected)
     elif AUX[read_at] == "kahan":  # no remainder is known: zero, as a freshly placed model starts
-        assert_cast(opt._kahan.values(), [np.zeros(v.shape) for v in half_weights])
+        assert_cast(opt._weights.remainders.values(), [np.zeros(v.shape) for v in half_weights])
     # Training goes on from there.
     history = target.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
@@ -197,8 +197,8 @@ def test_checkpoint_at_another_layout_raises_before_restoring(saved_at, read_at,
         tf.train.Checkpoint(model=target, optimizer=target.optimizer).read(path)
     message = str(raised.value)
     assert f"written at {NAMES[saved_at]} (" in message and f"optimizer is at {NAMES[read_at]} (" in message
-    assert f"written at {source.optimizer._saved_layout.describe()}" in message
-    assert f"optimizer is at {target.optimizer._saved_layout.describe()}" in message
+    assert f"written at {source.optimizer._saved.layout.describe()}" in message
+    assert f"optimizer is at {target.optimizer._saved.layout.describe()}" in message
     assert "Nothing was restored" in message
     assert_bitwise(state(target), before)  # not one value read: no partial restore by position
 
@@ -206,7 +206,7 @@ def test_checkpoint_at_another_layout_raises_before_restoring(saved_at, read_at,
 def test_checkpoint_from_before_the_record_restores_as_before(tmp_path, monkeypatch):
     """A checkpoint written without the record (older kmix): unchecked, restored bit for bit at its level."""
     with monkeypatch.context() as patch:
-        patch.setattr(saved_level, "_attach_record", lambda optimizer, layout: None)
+        patch.setattr(saved_level._compat, "attach_record", lambda owner, name, record: None)
         source = make("O2")
         path = tf.train.Checkpoint(model=source, optimizer=source.optimizer).write(str(tmp_path / "ckpt"))
     target = make("O2", seed=1, trained=False)
@@ -241,8 +241,8 @@ def test_checkpoint_read_before_the_optimizer_is_built_is_checked_when_it_is(tmp
 # ---------------------------------------------------------------- what is recorded
 def test_autocast_records_the_level_and_the_layout_round_trips():
     model = make("O2-bfloat16", trained=False)
-    assert advice.levels(model.trainable_variables) == {"O2-bfloat16"}
-    layout = model.optimizer._saved_layout
+    assert {p.level for p in _state.placed(model.trainable_variables)} == {"O2-bfloat16"}
+    layout = model.optimizer._saved.layout
     assert layout == Layout("O2-bfloat16", "masters", (("bfloat16", 4), ("float32", 2)), False)
     decoded, fields = Layout.decode(layout.encode(aux=[2, 3]))
     assert decoded == layout and fields["aux"] == [2, 3]  # every field back

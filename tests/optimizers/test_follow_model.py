@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import kmix
-from kmix.policy import advice
+from kmix import _state
 
 
 def half_model():
@@ -42,7 +42,13 @@ def test_float16_layers_compiled_outside_any_policy_get_dynamic_scaling(caplog):
     reference = fit(half_model(), reference_opt)
     for a, b in zip(reference, got):
         np.testing.assert_array_equal(b, a)
-    assert opt.get_config()["dynamic"] is True  # a reload keeps the scaling
+    # The config keeps what wrap decided ("auto"), so a copy made from it trains the same.
+    assert opt.get_config()["dynamic"] == "auto"
+    copy = kmix.LossScaleOptimizer.from_config(opt.get_config())
+    assert not copy.dynamic
+    for a, b in zip(got, fit(half_model(), copy)):
+        np.testing.assert_array_equal(b, a)
+    assert copy.dynamic and float(copy.loss_scale) == 2.0**15
 
 
 def test_an_explicit_fixed_scale_is_kept_with_a_warning():
@@ -61,10 +67,11 @@ def test_float32_model_keeps_the_fixed_scale():
 
 
 def test_recorded_compute_dtype_and_advised_scale_reach_a_custom_loop_build():
-    """What autocast records (advice.record) is enough: no model needed at build."""
+    """What autocast records on the variables is enough: no model needed at build."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    advice.record([(v, "float16") for v in model.trainable_variables], initial_scale=2.0**10)
+    for v in model.trainable_variables:
+        setattr(v, _state.ATTRIBUTE, _state.Placed("float16", "O1-float16", 2.0**10))
     opt = kmix.wrap(keras.optimizers.SGD(0.1))
     opt.build(model.trainable_variables)
     assert opt.dynamic and float(opt.loss_scale) == 2.0**10
@@ -89,25 +96,17 @@ def test_explicit_arguments_outside_a_scope_still_follow_a_float16_model(kwargs,
         np.testing.assert_array_equal(b, a)
 
 
-@pytest.fixture
-def restore_level_advice():
-    saved = dict(advice._LEVEL_SCALE)
-    yield
-    advice._LEVEL_SCALE.clear()
-    advice._LEVEL_SCALE.update(saved)
-
-
-def test_loss_scale_before_build_is_the_advised_scale_it_starts_from(restore_level_advice):
-    """What kmix.autocast(model, level, sample=) records: the optimizer wrapped under that level reports it."""
+def test_the_advised_scale_is_where_a_built_optimizer_starts():
+    """What kmix.autocast(model, level, sample=) records: the optimizer starts there, unless told otherwise."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    for v in model.trainable_variables:
+        setattr(v, _state.ATTRIBUTE, _state.Placed("float16", "O1-float16", 64.0))
     with kmix.policy_scope("O1"):
-        policy = kmix.policy.active_policy().name
-        advice.record([(v, "float16") for v in model.trainable_variables], initial_scale=64.0, policy_name=policy)
         advised = kmix.wrap(keras.optimizers.SGD(0.1))
         chosen = kmix.wrap(keras.optimizers.SGD(0.1), initial_scale=2.0**10)
-    assert float(advised.loss_scale) == 64.0 and float(chosen.loss_scale) == 2.0**10  # before build...
-    assert float(advised.scale_loss(tf.constant(1.0))) == 64.0
+    assert float(advised.loss_scale) == 2.0**15 and float(chosen.loss_scale) == 2.0**10  # before build
     advised.build(model.trainable_variables)
     chosen.build(model.trainable_variables)
-    assert float(advised.loss_scale) == 64.0 and float(chosen.loss_scale) == 2.0**10  # ...and after
+    assert float(advised.loss_scale) == 64.0 and float(chosen.loss_scale) == 2.0**10
+    assert float(advised.scale_loss(tf.constant(1.0))) == 64.0

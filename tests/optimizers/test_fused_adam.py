@@ -6,7 +6,7 @@ import tensorflow as tf
 
 import keras
 import kmix
-from kmix.optimizers import fused_adam
+from kmix.optimizers import updates
 from tests.optimizers.test_allreduce import two_replica_strategy  # one strategy, keys of its own
 from tests.optimizers.test_distribution import replica_values
 from tests.testing import full_only
@@ -51,7 +51,7 @@ def test_wrapped_fused_matches_keras(cls, jit):
     make = getattr(keras.optimizers, cls)
     kwargs = ADAMW if cls == "AdamW" else {"learning_rate": keras.optimizers.schedules.ExponentialDecay(1e-2, 3, 0.5)}
     wrapped = kmix.wrap(make(**kwargs))
-    assert fused_adam.is_installed(wrapped.inner_optimizer)
+    assert updates.fused(wrapped.inner_optimizer)
     expected = trained_weights(make(**kwargs))  # Keras's own update, unwrapped
     assert_same_weights(trained_weights(wrapped, jit=jit), expected)
 
@@ -60,7 +60,7 @@ def test_fused_update_equals_float64_adam():
     """Six steps of Adam on one float32 variable against the textbook update in float64."""
     lr, b1, b2, eps = 0.01, 0.9, 0.999, 1e-7
     opt = keras.optimizers.Adam(lr, beta_1=b1, beta_2=b2, epsilon=eps)
-    assert fused_adam.install(opt)
+    assert updates.use_fused_adam(opt)
     w = keras.Variable(np.linspace(-1, 1, 5), dtype="float32")
     opt.build([w])
     grads = RNG.normal(size=(6, 5))
@@ -107,7 +107,7 @@ def test_two_replicas_match_keras_update_under_the_strategy():
             model = dense_model()
             model.compile(optimizer=kmix.wrap(keras.optimizers.AdamW(**ADAMW), fused_update=fused), loss="mse")
         model.fit(X, Y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-        assert fused_adam.is_installed(model.optimizer.inner_optimizer) == fused
+        assert updates.fused(model.optimizer.inner_optimizer) == fused
         return [replica_values(w) for w in model.weights]
 
     for fused_copies, keras_copies in zip(train(True), train(False)):
@@ -120,23 +120,23 @@ def test_which_optimizers_are_fused():
     class MyAdam(keras.optimizers.Adam):
         pass
 
-    assert fused_adam.can_fuse(keras.optimizers.AdamW())
-    assert not fused_adam.can_fuse(keras.optimizers.Adam(amsgrad=True))
-    assert not fused_adam.can_fuse(MyAdam())  # a subclass may change the update
-    assert not fused_adam.can_fuse(keras.optimizers.SGD())
+    assert updates.can_fuse(keras.optimizers.AdamW())
+    assert not updates.can_fuse(keras.optimizers.Adam(amsgrad=True))
+    assert not updates.can_fuse(MyAdam())  # a subclass may change the update
+    assert not updates.can_fuse(keras.optimizers.SGD())
     sgd = kmix.wrap(keras.optimizers.SGD(0.1))
-    assert not fused_adam.is_installed(sgd.inner_optimizer)
+    assert not updates.fused(sgd.inner_optimizer)
 
 
 def test_fused_update_false_restores_keras_update_and_round_trips():
     inner = keras.optimizers.Adam(1e-3)
-    assert fused_adam.is_installed(kmix.wrap(inner).inner_optimizer)
+    assert updates.fused(kmix.wrap(inner).inner_optimizer)
     unfused = kmix.LossScaleOptimizer(inner, fused_update=False)
-    assert not fused_adam.is_installed(inner)
+    assert not updates.fused(inner)
     config = unfused.get_config()
     assert config["fused_update"] is False
     again = kmix.LossScaleOptimizer.from_config(config)
-    assert again.fused_update is False and not fused_adam.is_installed(again.inner_optimizer)
+    assert again.fused_update is False and not updates.fused(again.inner_optimizer)
     assert kmix.LossScaleOptimizer.from_config(kmix.wrap("adam").get_config()).fused_update is True
     with pytest.raises(TypeError, match=r"Received: fused_update='yes'"):
         kmix.LossScaleOptimizer(keras.optimizers.Adam(), fused_update="yes")
@@ -150,7 +150,7 @@ def test_fused_model_saves_and_reloads(tmp_path):
     path = str(tmp_path / "m.keras")
     model.save(path)
     loaded = keras.models.load_model(path)
-    assert fused_adam.is_installed(loaded.optimizer.inner_optimizer)
+    assert updates.fused(loaded.optimizer.inner_optimizer)
     # Both continue identically from the restored slots.
     model.fit(X, Y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     loaded.fit(X, Y, batch_size=16, epochs=1, shuffle=False, verbose=0)
@@ -176,7 +176,7 @@ def test_fused_update_on_real_models_follows_keras_update(name, level):
             optimizer = kmix.wrap(keras.optimizers.AdamW(3e-3), fused_update=fused)
             placed.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         history = placed.fit(x, y, batch_size=4, epochs=3, shuffle=False, verbose=0).history["loss"]
-        assert fused_adam.is_installed(optimizer.inner_optimizer) == fused
+        assert updates.fused(optimizer.inner_optimizer) == fused
         runs[fused] = history, [w.numpy() for w in placed.trainable_weights]
     (loss_fused, fused_weights), (loss_keras, keras_weights) = runs[True], runs[False]
     if level == "float32":

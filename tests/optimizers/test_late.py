@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kmix
-from kmix.optimizers.late import warn_if_unscaled
+from kmix.optimizers.wrap import warn_if_unscaled
 
 X = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
 Y = X.sum(axis=1, keepdims=True)
@@ -39,7 +39,7 @@ def _placed(model):
 def _warned(model, policy="O1"):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        returned = warn_if_unscaled(model, policy)
+        returned = warn_if_unscaled(model, kmix.Policy(policy))
     messages = [str(w.message) for w in caught if "no loss scaling" in str(w.message)]
     assert returned == bool(messages) and len(messages) <= 1
     return messages[0] if messages else None

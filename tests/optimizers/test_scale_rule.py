@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from kmix.optimizers.scale_rule import ScaleRule, ScaleState
+from kmix.optimizers.scaling import ScaleRule, ScaleState
 from tests.optimizers.test_scale_trajectory import SETTINGS, simulate
 
 

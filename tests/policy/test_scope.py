@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import kmix
-from kmix.optimizers import master_weights
-from kmix.policy import Policy, _state, active_policy, policy_scope, set_policy
+from kmix.optimizers import scaling
+from kmix import _state
+from kmix.policy import Policy, active_policy, policy_scope, set_policy
 
 
 def test_set_policy_sets_keras_and_kmix():
@@ -31,11 +32,11 @@ def test_active_policy_is_none_before_and_after_keras_changes():
 def test_auto_master_weights_follows_the_policy():
     # O2 and O3 set the same Keras policy; only kmix's state tells them apart.
     set_policy("O2")
-    assert master_weights.auto_master_weights() is True
+    assert scaling.auto_master_weights() is True
     set_policy("O3")
-    assert master_weights.auto_master_weights() is False
+    assert scaling.auto_master_weights() is False
     set_policy("O1")
-    assert master_weights.auto_master_weights() is True  # float32 params: nothing to copy, harmless
+    assert scaling.auto_master_weights() is True  # float32 params: nothing to copy, harmless
 
 
 def test_scope_restores_previous_state():

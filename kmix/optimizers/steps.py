@@ -1,0 +1,306 @@
+"""One optimizer step, read from the traced step itself: scaled or not, what its forward pass wrote, float16 or not.
+
+`StepMarks` (one per optimizer) tells `apply` whether its gradients are scaled:
+
+```
+scale_loss(loss):            mark the step: its loss was scaled
+get_unscaled_gradients(g):   record g (scaled) and what it returns (unscaled)
+apply(grads), scaled=None:   computed from what get_unscaled_gradients returned -> as given
+                             else the step's loss was scaled                     -> divide by the scale
+                             else -> as given, with a warning once (a train_step written for float32)
+```
+
+"The step" is the outermost `tf.function` graph being traced (or eager
+execution) and the thread (`MirroredStrategy` traces each replica in its own).
+`Written` finds what the step's forward pass wrote (batch-norm statistics,
+seed states) and the value each held before, so a skipped step puts them back.
+"""
+
+import threading
+import warnings
+import weakref
+
+import keras
+import tensorflow as tf
+
+from kmix import _compat
+
+SCALED, UNSCALED, UNMARKED, UNTRACEABLE = "scaled", "unscaled", "unmarked", "untraceable"
+_READS = {"ReadVariableOp", "VarIsInitializedOp", "VariableShape", "ResourceGather", "ResourceGatherNd"}
+_EAGER = "eager"
+
+
+class _Marks:
+    def __init__(self):
+        self.scaled_loss, self.loss, self.unscaled, self.scaled = False, None, {}, {}
+
+
+class StepMarks:
+    """What the steps being traced did so far, per (trace, thread): scaled a loss, unscaled which tensors."""
+
+    def __init__(self):
+        self._steps = {}  # (id(graph) or _EAGER, thread id) -> _Marks
+        self._graphs = weakref.WeakValueDictionary()  # id -> graph: a dead graph's id is no key
+        self.warned = set()
+
+    def _key(self):
+        if not tf.inside_function():
+            return _EAGER, threading.get_ident()
+        graph = tf.compat.v1.get_default_graph()
+        while hasattr(getattr(graph, "outer_graph", None), "outer_graph"):
+            graph = graph.outer_graph
+        if self._graphs.get(id(graph)) is not graph:
+            self._graphs[id(graph)] = graph
+            for stale in [k for k in self._steps if k[0] == id(graph)]:
+                del self._steps[stale]
+        return id(graph), threading.get_ident()
+
+    def _marks(self):
+        return self._steps.setdefault(self._key(), _Marks())
+
+    def scaled(self, loss):
+        """`scale_loss(loss)` ran in this step (and, traced, on this loss)."""
+        marks = self._marks()
+        marks.scaled_loss = True
+        if tf.inside_function() and isinstance(loss, tf.Tensor) and not isinstance(loss, tf.Variable):
+            marks.loss = weakref.ref(loss)
+
+    def unscaled(self, scaled_grads, unscaled_grads):
+        """`get_unscaled_gradients` received `scaled_grads` and returned `unscaled_grads` in this step."""
+        marks = self._marks()
+        for table, grads in ((marks.scaled, scaled_grads), (marks.unscaled, unscaled_grads)):
+            table.update((id(t), weakref.ref(t)) for t in _tensors(grads))
+
+    def loss(self):
+        """The loss this traced step scaled, or None."""
+        marks = self._steps.get(self._key())
+        return None if marks is None or marks.loss is None else marks.loss()
+
+    def consume(self, grads):
+        """`SCALED`, `UNSCALED`, `UNMARKED` or `UNTRACEABLE` for `grads`; clears the step's marks."""
+        marks = self._steps.pop(self._key(), None)
+        if marks is None:
+            return UNMARKED
+        tensors = _tensors(grads)
+        if marks.unscaled and tensors:
+            found = [_computed_from(t, marks.unscaled, marks.scaled) for t in tensors]
+            if all(found):
+                return UNSCALED
+            if any(f is True for f in found):
+                raise ValueError(
+                    "Some of the gradients received were computed from what get_unscaled_gradients() returned "
+                    "and others were not: part of them would be divided by the loss scale and part not. Pass "
+                    "all of them through get_unscaled_gradients() (then apply(..., scaled=False)), or none.")
+            if None in found:
+                return UNTRACEABLE
+        return SCALED if marks.scaled_loss else UNMARKED
+
+
+def _tensors(grads):
+    return [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
+
+
+def _is(table, t):
+    ref = table.get(id(t))
+    return ref is not None and ref() is t
+
+
+def _computed_from(tensor, unscaled, scaled):
+    """True if `tensor` is, or is computed from, one of `unscaled` (not past `scaled`); None eagerly if unknown."""
+    if _is(unscaled, tensor):
+        return True
+    if _is(scaled, tensor):
+        return False
+    if not hasattr(tensor, "graph") or tf.executing_eagerly():
+        return None
+    seen, stack = set(), [tensor]
+    while stack:
+        t = stack.pop()
+        if _is(unscaled, t):
+            return True
+        if not _is(scaled, t) and id(t.op) not in seen:
+            seen.add(id(t.op))
+            stack.extend(t.op.inputs)
+    return False
+
+
+def decide(optimizer, marks, grads, variables, scaled, route):
+    """Whether `route` (`"apply"` / `"apply_gradients"`) divides `grads` by the scale; consumes the marks."""
+    kind = marks.consume(grads)
+    if scaled is not None:
+        if not isinstance(scaled, bool):
+            raise TypeError(f"`scaled` must be True, False or None. Received: scaled={scaled!r}")
+        return scaled
+    if kind in (UNMARKED, UNTRACEABLE):
+        if not optimizer.built and variables is not None:
+            optimizer.build(variables)
+        if (optimizer.dynamic or optimizer.initial_scale != 1.0) and kind not in marks.warned:
+            marks.warned.add(kind)
+            warnings.warn(_unscaled_message(optimizer, route, kind), stacklevel=4)
+    return kind == SCALED
+
+
+def _unscaled_message(optimizer, route, kind):
+    name = f"{type(optimizer).__name__} {optimizer.name!r}"
+    if kind == UNTRACEABLE:
+        return (f"{name}: {route}() received gradients that get_unscaled_gradients() did not return, in a step "
+                "where it ran, outside a tf.function, where kmix cannot tell what they were computed from. They "
+                "are taken as unscaled and applied as they are. Pass `scaled=False` to say so (or `scaled=True` "
+                "if they are gradients of the scaled loss), or run the step in a tf.function. See 'Custom "
+                "training loops' in docs/guide.md.")
+    return (f"{name}: {route}() received gradients of a loss that did not go through this optimizer's "
+            "scale_loss in the same step. They are applied as they are, not divided by the loss scale (non-finite "
+            "steps are still skipped), so training runs without loss scaling: small float16 gradients flush to "
+            "zero. Scale the loss inside the tape, `loss = self.optimizer.scale_loss(loss)` (in a custom "
+            "train_step; `opt.scale_loss(loss)` in a custom loop), and take the gradients of that: kmix unscales "
+            "them and skips overflowing steps. Gradients of a loss you scaled yourself: pass `scaled=True`. See "
+            "'Custom training loops' in docs/guide.md.")
+
+
+def unscale(g, scale):
+    """`g / scale` in float32 for half gradients (IndexedSlices kept sparse); `scale=None`: no division."""
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(unscale(g.values, scale), g.indices, g.dense_shape)
+    if g.dtype in (tf.float16, tf.bfloat16):
+        g = tf.cast(g, tf.float32)
+    return g if scale is None else g / tf.cast(scale, g.dtype)
+
+
+def computes_in_float16(grads):
+    """Whether the traced step computed `grads` through a float16 operation (False eagerly)."""
+    seen, stack = set(), [t for t in _tensors(grads) if hasattr(t, "op")]
+    while stack:
+        op = stack.pop().op
+        if op in seen:
+            continue
+        seen.add(op)
+        if any(t.dtype == tf.float16 for t in op.outputs):
+            return True
+        stack.extend(op.inputs)
+    return False
+
+
+class Written:
+    """The variables a traced step wrote before `apply`, and the value each was read at before its first write.
+
+    Skipped: the variables the optimizer trains, writes computed from the loss
+    (metrics) or from gradients (another optimizer), writes sharing nothing
+    with the loss, and, with `only`, variables not in it. Eagerly: nothing.
+    """
+
+    def __init__(self, trained=(), loss=None, only=None, enabled=True):
+        self.handles, self.before, self.unreadable = [], [], []
+        if not enabled or not tf.inside_function():
+            return
+        graph = tf.compat.v1.get_default_graph()
+        skip = {id(v.handle) for v in trained}
+        allowed = None if only is None else {id(v.handle) for v in only}
+        order = {op: i for i, op in enumerate(graph.get_operations())}
+        loss_ancestors = _ancestors([loss.op]) if loss is not None else None
+        for external, internal in _compat.captured_handles(graph):
+            if id(external) in skip or (allowed is not None and id(external) not in allowed):
+                continue
+            users = sorted(internal.consumers(), key=lambda op: order.get(op, -1))
+            writes = [op for op in users if op.type not in _READS]
+            if not writes or not _forward_write(writes[0], loss, loss_ancestors):
+                continue
+            reads = [op for op in users if op.type == "ReadVariableOp" and order[op] < order[writes[0]]]
+            if not reads:
+                self.unreadable.append(internal.name)
+                continue
+            self.handles.append(internal)
+            self.before.append(reads[0].outputs[0])
+        if self.unreadable:
+            warnings.warn(
+                f"{len(self.unreadable)} variables are written by this step's forward pass where kmix cannot see "
+                f"the value they held before (inside a nested function or a cond): {self.unreadable[:5]}. A "
+                "skipped step leaves them as it wrote them.", stacklevel=4)
+
+    def __len__(self):
+        return len(self.handles)
+
+    def restore(self, skipped, before=None):
+        """Puts back each variable's value from before the step (or `before`) where `skipped`."""
+        for handle, old in zip(self.handles, before or self.before):
+            current = tf.raw_ops.ReadVariableOp(resource=handle, dtype=old.dtype)
+            tf.raw_ops.AssignVariableOp(resource=handle, value=tf.where(skipped, old, current))
+
+
+def _ancestors(ops):
+    seen, stack = set(), list(ops)
+    while stack:
+        op = stack.pop()
+        if op not in seen:
+            seen.add(op)
+            stack.extend(t.op for t in op.inputs)
+    return seen
+
+
+def _forward_write(write, loss, loss_ancestors):
+    values = _ancestors([t.op for t in write.inputs[1:]])
+    if any(op.name.startswith("gradient_tape") or "/gradient_tape/" in op.name for op in values):
+        return False
+    return loss is None or (loss.op not in values and not values.isdisjoint(loss_ancestors))
+
+
+class WindowStart:
+    """Under accumulation: the written variables' values from the window's first micro-batch."""
+
+    def __init__(self, written):
+        with tf.init_scope(), tf.distribute.get_strategy().scope():
+            self.values = [
+                tf.Variable(tf.zeros(old.shape, old.dtype), trainable=False, name="kmix_window_start",
+                            synchronization=tf.VariableSynchronization.ON_WRITE,
+                            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                for old in written.before]
+
+    def take(self, written, first):
+        """The window-start values: this step's where `first`, else the kept ones (which it updates)."""
+        start = [tf.where(first, old, tf.convert_to_tensor(kept)) for old, kept in zip(written.before, self.values)]
+        for kept, value in zip(self.values, start):
+            kept.assign(value)
+        return start
+
+
+def variables_of(model_or_variables):
+    """The variables of a model or layer, or a list of variables; a `TypeError` for anything else."""
+    if isinstance(model_or_variables, keras.layers.Layer):
+        return list(model_or_variables.variables)
+    if isinstance(model_or_variables, (list, tuple)) and all(
+            isinstance(v, (keras.Variable, tf.Variable)) for v in model_or_variables):
+        return list(model_or_variables)
+    raise TypeError("`track` takes a keras.Model (or layer) or a list of variables. Received: "
+                    f"{model_or_variables!r} (of type {type(model_or_variables).__name__}).")
+
+
+def warn_eager_skip(optimizer, skipped):
+    """Eagerly, a skipped step's forward writes cannot be found: says so (Python's filter: once per optimizer)."""
+    if tf.inside_function() or not optimizer.restore_on_skip or not bool(skipped):
+        return
+    warnings.warn(
+        f"{type(optimizer).__name__} {optimizer.name!r} skipped a step run eagerly: variables its forward pass "
+        "wrote (batch-norm statistics, seed states) keep what the skipped step wrote. Trace the step "
+        "(`tf.function`, or `compile` without `run_eagerly=True`) for kmix to put them back.", stacklevel=3)
+
+
+def run_if(pred, fn, *args):
+    """Calls `fn(*args)` on every replica where `pred` (the same on every replica) holds.
+
+    Under a strategy that updates through `merge_call` (`MirroredStrategy` on
+    CPUs, or without XLA) a merge call may not sit in a replica-context
+    `tf.cond`: the cond is taken in cross-replica context instead.
+    """
+    if _compat.strategy_supports_no_merge_call():
+        tf.cond(pred, lambda: _nothing(fn(*args)), lambda: None)
+        return
+
+    def cross_replica(distribution, pred, args):
+        pred = distribution.experimental_local_results(pred)[0]
+        tf.cond(pred, lambda: _nothing(distribution.extended.call_for_each_replica(fn, args=args)), lambda: None)
+
+    # `fn` stays in the closure: as an argument, each replica's bound method would be regrouped.
+    tf.distribute.get_replica_context().merge_call(cross_replica, args=(pred, args))
+
+
+def _nothing(_):
+    return None
