@@ -24,7 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 import kmix
-from tests.optimizers.test_scale_trajectory import simulate
+from tests.optimizers.test_scaling_trajectory import simulate
 
 STEPS = int(os.environ.get("KMIX_SOAK_STEPS", "10000"))
 CHUNK = 2500  # steps per tf.function call: one trace, a progress line per call

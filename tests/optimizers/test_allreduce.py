@@ -12,8 +12,8 @@ import tensorflow as tf
 import keras
 import kmix
 from kmix.optimizers import allreduce
-from tests.optimizers.test_distribution import build, replica_values
-from tests.optimizers.test_distribution import two_replica_strategy as new_two_replica_strategy
+from tests.optimizers.test_loss_scale_distribution import build, replica_values
+from tests.optimizers.test_loss_scale_distribution import two_replica_strategy as new_two_replica_strategy
 
 GLOBAL_BATCH = 4  # two rows per replica
 _STRATEGY = []

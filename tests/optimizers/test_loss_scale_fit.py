@@ -123,7 +123,7 @@ def test_every_optimizer_matches_unwrapped(name):
         model = make_model()
         opt = OPTIMIZERS[name]()
         if wrapped:
-            # Keras's own update (the fused Adam kernel rounds differently: tests/optimizers/test_fused_adam.py).
+            # Keras's own update (the fused Adam kernel rounds differently: tests/optimizers/test_updates_fused_adam.py).
             opt = kmix.wrap(opt, dynamic=True, initial_scale=2.0**15, growth_interval=2, fused_update=False)
         model.compile(optimizer=opt, loss="mse", steps_per_execution=2)
         if wrapped:

@@ -8,7 +8,7 @@ import keras
 import kmix
 from kmix.optimizers import updates
 from tests.optimizers.test_allreduce import two_replica_strategy  # one strategy, keys of its own
-from tests.optimizers.test_distribution import replica_values
+from tests.optimizers.test_loss_scale_distribution import replica_values
 from tests.testing import full_only
 
 RNG = np.random.default_rng(0)

@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 from kmix.optimizers.scaling import ScaleRule, ScaleState
-from tests.optimizers.test_scale_trajectory import SETTINGS, simulate
+from tests.optimizers.test_scaling_trajectory import SETTINGS, simulate
 
 
 def run_rule(overflows, initial_scale, growth_interval, growth_factor, backoff_factor,
