@@ -77,26 +77,14 @@ def memory_report(model, policy=_OPT_LEVELS, optimizer="adam", batch_size=None, 
             parameters (so that `8e9` can be costed without allocating it).
         policy: one policy spec (anything `kmix.Policy` accepts) or a list of
             them; by default `"O0"`-`"O3"`, one row each.
-        optimizer: a Keras optimizer (instance, name or config; a loss-scale
-            optimizer counts as its inner optimizer), an int number of slots
-            per parameter, or `None` for no optimizer. Slots are counted by
-            building a copy of the optimizer on a small probe variable:
-            exact for element-wise optimizers (SGD, Adam, AdamW, RMSprop,
-            Lion, ...), an estimate for factored ones (Adafactor).
-        batch_size: the batch size of the activation estimate. The estimate
-            is every layer's output (plus the attention scores and
-            probabilities of `MultiHeadAttention`), stored in the compute
-            dtype (a layer called several times counts once); `None` (the
-            default), a parameter count, or an unknown dimension leaves it
-            out.
+        optimizer: a Keras optimizer (instance, name or config; a loss-scale optimizer counts as its
+            inner one), an int number of slots per parameter, or None. Slots are measured on a copy built
+            on a probe variable: exact for element-wise optimizers, an estimate for factored ones.
+        batch_size: the batch size of the activation estimate (every layer's output, and
+            `MultiHeadAttention`'s scores, in the compute dtype); None leaves it out.
         verbose: print the table.
-        master_weights: `None` (the default) follows each policy (float32
-            copies where it asks for them), or the `master_weights` argument
-            of `kmix.wrap` (`"auto"` is the same as `None`): `True`, `False`
-            or `"kahan"` (a 2-byte compensation buffer instead of a float32
-            copy; the slots stay float32). The bytes are measured on the
-            optimizer built on a probe variable.
-            A kmix `LossScaleOptimizer` passed as `optimizer` gives its own.
+        master_weights: None follows each policy; else `kmix.wrap`'s `master_weights` (True, False,
+            `"kahan"`); a kmix `LossScaleOptimizer` passed as `optimizer` gives its own.
 
     Returns:
         A `MemoryReport`: a dict `{policy name: {part: bytes}}` whose `str()`

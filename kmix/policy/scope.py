@@ -16,17 +16,9 @@ _WARNED = set()  # the opt levels `set_policy` / `policy_scope` have warned abou
 def set_policy(spec, half=None):
     """Sets Keras's global dtype policy and the policy `kmix.wrap` will follow.
 
-    Layers created afterwards take `policy.to_keras()` (one Keras policy for
-    every layer); `kmix.wrap(opt)` (with `master_weights="auto"`) keeps
-    float32 master weights when the policy asks for them (O2).
-
-    A global policy cannot tell a normalization layer or a model's output
-    layer from a `Dense`: under `"O1"` or `"O2"` every layer built afterwards
-    computes in the half dtype (under O2 with half variables, batch norm
-    included). The levels' float32 islands come from
-    `kmix.autocast(model, level)`, so setting O1 or O2 here warns once and
-    points to it. Build the model in float32, `autocast` it, and compile in a
-    `kmix.policy_scope(level)`.
+    Layers created afterwards take `policy.to_keras()`, one Keras policy for every layer (no float32
+    islands: those come from `kmix.autocast`, so O1 / O2 here warn once); `kmix.wrap(opt)` follows the
+    policy's loss scaling and master weights.
 
     Args:
         spec: anything `kmix.Policy` accepts: `"O0"`-`"O3"`, a Keras policy
@@ -89,15 +81,9 @@ def _set(policy):
 def policy_scope(spec, half=None):
     """Runs a `with` block under a policy, then restores the previous one.
 
-    Keras's global dtype policy and kmix's policy are both saved on entry and
-    restored on exit, also when the block raises. The scope is for
-    *compiling*: `kmix.wrap` inside it follows the level (dynamic loss
-    scaling under float16, master weights under O2). Layers *built* inside
-    take the level's whole Keras policy, as under `set_policy`: under `"O1"`
-    or `"O2"` that is no float32 island (batch norm, softmax and outputs in
-    half), so a scope in which layers were built warns once per level, as
-    `set_policy` does. For the level's placement, build the model in float32
-    and `kmix.autocast` it.
+    Keras's and kmix's global policies are restored on exit, also when the block raises. The scope is
+    for *compiling*: `kmix.wrap` inside it follows the level. Layers *built* inside take the level's
+    whole Keras policy, as under `set_policy` (warned once per level under O1 / O2).
 
     Args:
         spec: anything `kmix.Policy` accepts.
