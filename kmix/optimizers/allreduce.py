@@ -38,23 +38,14 @@ def reduces_here(allreduce_dtype, replica_context):
 
 
 def all_reduce(grads, variables, allreduce_dtype, multiplier=None, poison=None):
-    """Sums the gradients over every replica in `allreduce_dtype`; returns the sums in float32.
+    """The float32 sums over every replica of `gradient * multiplier`, reduced in `allreduce_dtype`.
 
     Args:
         grads: one gradient (tensor, `tf.IndexedSlices` or None) per variable.
-        variables: the variables, for their `overwrite_with_gradient` flag
-            (such gradients are not reduced, as in Keras).
+        variables: the variables (`overwrite_with_gradient` ones are not reduced, as in Keras).
         allreduce_dtype: `"float16"` or `"bfloat16"`.
-        multiplier: a float32 scalar the gradients are multiplied by before
-            the reduction (the loss scale, for unscaled gradients), or None.
-        poison: a boolean per gradient, or None: where True this replica
-            sends NaN instead, so every replica sees that variable's sum
-            non-finite (an overflow this replica found in an earlier
-            micro-batch of an accumulation window).
-
-    Returns:
-        A list like `grads`: the float32 sums of `gradient * multiplier` (None
-        and overwritten ones as given).
+        multiplier: a float32 scalar (the loss scale, for unscaled gradients), or None.
+        poison: None, or a boolean per gradient: True sends NaN (an overflow earlier in this replica's window).
     """
     dtype = _DTYPES[allreduce_dtype]
     indices = [

@@ -152,9 +152,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             (advised or scaling.DEFAULT_SCALE) if dynamic else 1.0)
         self._undecided = self._undecided and not float16
         if dynamic and self._dynamic_request == AUTO:
-            _log.info("kmix: %s %r trains variables that compute in float16, but was wrapped under a policy "
-                      "without float16 compute (fixed scale): switched to dynamic loss scaling from %g%s.",
-                      type(self).__name__, self.name, start, " (the scale kmix.autocast advised)" if advised else "")
+            _log.info("kmix: %s %r trains variables that compute in float16: switched to dynamic loss scaling "
+                      "from %g%s.", type(self).__name__, self.name, start, " (advised)" if advised else "")
         elif dynamic and advised and self._initial_request == AUTO:
             _log.info("kmix: %s %r starts its loss scale at %g, the scale kmix.autocast advised.",
                       type(self).__name__, self.name, start)
@@ -263,11 +262,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
                      lambda skipped: None)  # outside any step: no forward pass wrote anything
 
     def track(self, model):
-        """Names the model this optimizer trains: a skipped step puts back only its variables.
+        """Names the model this optimizer trains: a skipped step puts back only its variables (a GAN's two).
 
-        `fit` and custom loops need no call. A `train_step` with two optimizers (a
-        GAN) calls `track(sub_model)` on each; a model given before `build` also
-        tells `"auto"` whether its layers compute in float16.
+        `fit` and custom loops need no call; given before `build`, it also tells `"auto"` about float16 layers.
 
         Args:
             model: a `keras.Model` or layer, or a list of variables.

@@ -1,19 +1,11 @@
 """One optimizer step, read from the traced step itself: scaled or not, what its forward pass wrote, float16 or not.
 
-`StepMarks` (one per optimizer) tells `apply` whether its gradients are scaled:
-
 ```
-scale_loss(loss):            mark the step: its loss was scaled
-get_unscaled_gradients(g):   record g (scaled) and what it returns (unscaled)
-apply(grads), scaled=None:   computed from what get_unscaled_gradients returned -> as given
-                             else the step's loss was scaled                     -> divide by the scale
-                             else -> as given, with a warning once (a train_step written for float32)
+apply(grads), scaled=None:  computed from what get_unscaled_gradients returned -> as given
+                            else the step's loss went through scale_loss      -> divide by the scale
+                            else -> as given, with a warning once (a train_step written for float32)
 ```
-
-"The step" is the outermost `tf.function` graph being traced (or eager
-execution) and the thread (`MirroredStrategy` traces each replica in its own).
-`Written` finds what the step's forward pass wrote (batch-norm statistics,
-seed states) and the value each held before, so a skipped step puts them back.
+"The step": the outermost `tf.function` graph being traced (or eager execution) and the thread.
 """
 
 import threading
@@ -148,13 +140,11 @@ def _unscaled_message(optimizer, route, kind):
                 "are taken as unscaled and applied as they are. Pass `scaled=False` to say so (or `scaled=True` "
                 "if they are gradients of the scaled loss), or run the step in a tf.function. See 'Custom "
                 "training loops' in docs/guide.md.")
-    return (f"{name}: {route}() received gradients of a loss that did not go through this optimizer's "
-            "scale_loss in the same step. They are applied as they are, not divided by the loss scale (non-finite "
-            "steps are still skipped), so training runs without loss scaling: small float16 gradients flush to "
-            "zero. Scale the loss inside the tape, `loss = self.optimizer.scale_loss(loss)` (in a custom "
-            "train_step; `opt.scale_loss(loss)` in a custom loop), and take the gradients of that: kmix unscales "
-            "them and skips overflowing steps. Gradients of a loss you scaled yourself: pass `scaled=True`. See "
-            "'Custom training loops' in docs/guide.md.")
+    return (f"{name}: {route}() received gradients of a loss that did not go through this optimizer's scale_loss "
+            "in the same step. They are applied as they are, not divided by the loss scale, so training runs without "
+            "loss scaling: small float16 gradients flush to zero. Scale the loss inside the tape, `loss = "
+            "self.optimizer.scale_loss(loss)`, and take the gradients of that; or pass `scaled=True`. See 'Custom "
+            "training loops' in docs/guide.md.")
 
 
 def unscale(g, scale):
@@ -181,11 +171,10 @@ def computes_in_float16(grads):
 
 
 class Written:
-    """The variables a traced step wrote before `apply`, and the value each was read at before its first write.
+    """What the traced step's forward pass wrote before `apply`, and each variable's value before its first write.
 
-    Skipped: the variables the optimizer trains, writes computed from the loss
-    (metrics) or from gradients (another optimizer), writes sharing nothing
-    with the loss, and, with `only`, variables not in it. Eagerly: nothing.
+    Not: the trained variables, writes computed from the loss (metrics) or from gradients (another optimizer),
+    writes sharing nothing with the loss, variables outside `only`. Eagerly: nothing.
     """
 
     def __init__(self, trained=(), loss=None, only=None, enabled=True):

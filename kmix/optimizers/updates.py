@@ -28,14 +28,10 @@ _FLOOR = {"bfloat16": 2.0**-126, "float16": 2.0**-24}  # the spacing of the smal
 
 @keras.saving.register_keras_serializable(package="kmix")
 class SGD(keras.optimizers.SGD):
-    """SGD whose momentum is a sum of gradients, so `lr * g` never forms in float16 (torch's form).
+    """SGD whose momentum is a sum of gradients (torch's form), so `lr * g` never underflows in float16 slots.
 
-    ```
-    h = momentum * h + g;  w -= lr * (g + momentum * h) if nesterov else lr * h     (in float32)
-    ```
-
-    Keras's `m = momentum * m - lr * g` underflows in float16 slots (O3) once
-    `lr * g` < 2^-24. Same arguments as `keras.optimizers.SGD`.
+    `h = momentum * h + g;  w -= lr * (g + momentum * h) if nesterov else lr * h`, in float32; Keras's
+    `m = momentum * m - lr * g` underflows once `lr * g` < 2^-24 (O3). Same arguments as `keras.optimizers.SGD`.
 
     Example:
 
