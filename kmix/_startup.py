@@ -1,16 +1,8 @@
-"""A quiet TensorFlow start for kmix's commands (`python -m kmix ...`, the `kmix` script).
+"""A quiet TensorFlow start for kmix's commands (`python -m kmix ...`, the `kmix` script); an import changes nothing.
 
-TensorFlow 2.21 prints its start-up notes (oneDNN, the CUDA stub, CPU features,
-"failed call to cuInit" on a machine without a GPU driver) from C++ static
-initializers, before it reads `TF_CPP_MIN_LOG_LEVEL`; the variable alone does
-not hide them. A command therefore sets the variable (unless the user did)
-and starts TensorFlow with the C++ side of stderr captured: the start-up
-notes are dropped, anything else is written back. Where an NVIDIA driver is
-installed but TensorFlow sees no GPU, its CUDA lines are the reason (no CUDA
-runtime, a cuDNN it cannot load): they are written back, with a line saying
-what kmix would need. Python's own `sys.stderr`
-bypasses the capture, so warnings and tracebacks are untouched. Imported as a
-library, kmix changes nothing.
+TensorFlow prints its start-up notes from C++ before it reads `TF_CPP_MIN_LOG_LEVEL`, so a command sets the
+variable (unless the user did) and starts TensorFlow with the C++ side of stderr captured: the notes are dropped,
+anything else is written back, and where a driver is installed but no GPU is seen, its CUDA lines say why.
 """
 
 import os
@@ -37,12 +29,11 @@ def launched_as_command(argv=None):
 
 
 def quiet_tensorflow_start():
-    """Sets `TF_CPP_MIN_LOG_LEVEL` unless set and starts TensorFlow without its start-up notes.
+    """Sets `TF_CPP_MIN_LOG_LEVEL` and starts TensorFlow without its start-up notes.
 
     Returns:
-        True when it did so; False when the user had set the variable (their
-        level is respected and nothing is filtered) or TensorFlow was
-        already imported.
+        True when it did so; False when the user had set the variable (their level holds, nothing is
+        filtered) or TensorFlow was already imported.
     """
     if "TF_CPP_MIN_LOG_LEVEL" in os.environ or "tensorflow" in sys.modules:
         return False
@@ -79,33 +70,18 @@ def quiet_tensorflow_start():
 
 
 def _repoint_handlers(old, new):
-    """Points the logging handlers made on `old` (TensorFlow's, made while it started) at `new`.
-
-    TensorFlow's logger takes `sys.stderr` as it is when first used, which
-    can be inside `quiet_tensorflow_start`: left on the stream closed after
-    it, every later warning would print "--- Logging error ---" instead.
-    """
+    """Points the logging handlers made on `old` at `new`: TensorFlow's logger, made while the start was quiet,
+    would otherwise write to a closed stream ("--- Logging error ---")."""
     import logging
 
-    loggers = [logging.getLogger()] + [logger for logger in logging.Logger.manager.loggerDict.values()
-                                       if isinstance(logger, logging.Logger)]
-    for logger in loggers:
-        for handler in logger.handlers:
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", ()):  # placeholders have none
             if isinstance(handler, logging.StreamHandler) and handler.stream is old:
                 handler.setStream(new)
 
 
 def nvidia_driver(version_file=DRIVER_VERSION_FILE):
-    """The installed NVIDIA driver, in a few words, or None where there is none.
-
-    Args:
-        version_file: the kernel module's version file (Linux); where it is
-            missing, an `nvidia-smi` on the PATH counts as a driver.
-
-    Returns:
-        The version file's first line (`"NVRM version: NVIDIA UNIX x86_64
-        Kernel Module  550.54.15 ..."`), `"nvidia-smi at <path>"`, or None.
-    """
+    """The installed NVIDIA driver in a few words (`version_file`'s first line, `"nvidia-smi at <path>"`) or None."""
     try:
         with open(version_file, encoding="utf-8", errors="replace") as f:
             return " ".join(f.readline().split()) or "NVIDIA kernel module"
@@ -121,18 +97,9 @@ def says_why_no_gpu(line):
 
 
 def drop_startup_notes(text, keep_gpu_reasons=False):
-    """`text` (TensorFlow's C++ stderr) without start-up notes: INFO/WARNING lines, CUDA probing.
+    """`text` (TensorFlow's C++ stderr) without its start-up notes: INFO and WARNING lines, CUDA probing.
 
-    A log line's continuation lines (no prefix of their own) go with it.
-
-    Args:
-        text: what TensorFlow wrote to stderr while it started.
-        keep_gpu_reasons: keep the lines about CUDA and GPUs (`says_why_no_gpu`),
-            whatever their level: where a driver is installed and no GPU is
-            seen, they say why.
-
-    Returns:
-        The lines kept, as one string.
+    A log line's continuation lines go with it; `keep_gpu_reasons` keeps the lines about CUDA and GPUs.
     """
     kept, dropping = [], False
     for line in text.splitlines(keepends=True):

@@ -1,11 +1,4 @@
-"""The model `python -m kmix bench train` trains: a GPT-style decoder, its FLOPs and its data.
-
-`build_model` makes a decoder-only transformer under the current dtype
-policy, with Keras's or kmix's attention; `compile_model` compiles it with
-AdamW, wrapped by `kmix.wrap` for the kmix stack; `model_flops_per_token`
-counts its model FLOPs by PaLM's convention; `make_dataset` is one random
-batch of next-token pairs, repeated.
-"""
+"""The GPT-style decoder the speed benchmarks train, its model FLOPs (PaLM's convention) and its data."""
 
 import keras
 import numpy as np
@@ -26,17 +19,10 @@ class PositionEmbedding(keras.layers.Layer):
         return x + self.table[None]
 
 
-def build_model(layers, d_model, heads, seq, vocab, stack):
-    """The GPT-style model under the current dtype policy (uncompiled).
+def build_model(layers, d_model, heads, seq, vocab, stack, block=None, name=None):
+    """The uncompiled GPT under the current policy, with `stack`'s (`"keras"`, `"kmix"`) `MultiHeadAttention`.
 
-    Args:
-        layers, d_model, heads, seq, vocab: the model's size.
-        stack: `"keras"` for `keras.layers.MultiHeadAttention`, `"kmix"` for
-            `kmix.layers.MultiHeadAttention`.
-
-    Returns:
-        A functional `keras.Model` from `(batch, seq)` int32 tokens to
-        float32 logits `(batch, seq, vocab)`.
+    `block(i, x)`, where given, adds block `i` instead of the inline pre-norm one.
     """
     attention = kmix.layers.MultiHeadAttention if stack == "kmix" else keras.layers.MultiHeadAttention
     keras.utils.set_random_seed(0)
@@ -44,6 +30,9 @@ def build_model(layers, d_model, heads, seq, vocab, stack):
     x = keras.layers.Embedding(vocab, d_model, name="token_embedding")(tokens)
     x = PositionEmbedding(name="position_embedding")(x)
     for i in range(layers):
+        if block is not None:
+            x = block(i, x)
+            continue
         h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"ln_attn{i}")(x)
         h = attention(heads, d_model // heads, name=f"attention{i}")(h, h, use_causal_mask=True)
         x = x + h
@@ -54,17 +43,13 @@ def build_model(layers, d_model, heads, seq, vocab, stack):
     logits = keras.layers.Dense(vocab, name="lm_head")(x)
     # The loss is computed in float32, the head's matmul in the compute dtype.
     logits = keras.layers.Activation("linear", dtype="float32", name="logits")(logits)
-    return keras.Model(tokens, logits, name=f"gpt_{stack}")
+    return keras.Model(tokens, logits, name=name or f"gpt_{stack}")
 
 
 def model_flops_per_token(model, layers, d_model, seq):
-    """PaLM's model FLOPs per trained token: `6 * N + 12 * layers * d_model * seq`.
-
-    `N` is the trainable parameter count without the embedding tables.
-    """
-    embeddings = sum(
-        int(np.prod(w.shape)) for layer in model.layers if "embedding" in layer.name for w in layer.trainable_weights
-    )
+    """PaLM's model FLOPs per trained token: `6 * N + 12 * layers * d_model * seq`, N without the embeddings."""
+    embeddings = sum(int(np.prod(w.shape)) for layer in model.layers if "embedding" in layer.name
+                     for w in layer.trainable_weights)
     n = sum(int(np.prod(w.shape)) for w in model.trainable_weights) - embeddings
     return 6 * n + 12 * layers * d_model * seq
 

@@ -1,30 +1,9 @@
 """`python -m kmix bench gpu`: the checks that need a GPU, in one command, within a time budget.
 
-kmix is built for GPU training compiled with XLA, and a GPU machine is at
-hand rarely and for minutes; this command runs, in order:
-
-1. `tests`: the tests marked `gpu` (`pytest -m gpu`, verbose, in a subprocess
-   with its own slot of the budget; `kmix.benchmarks.gpu_tests`);
-2. `routes`: the GPT training step of `bench train` on each route, each alone
-   with its peak memory (`kmix.benchmarks.gpu_routes`): Keras float32 under
-   XLA with TF32 on (the baseline), kmix's O1 bfloat16 and float16, Keras's
-   `mixed_float16` and `mixed_bfloat16`, kmix at float32 (kmix's own cost),
-   float32 with TF32 off, kmix's O2, and O1 bfloat16 without XLA; the most
-   telling first, since the budget cuts the last;
-3. `memory`: peak and resident memory of float32, O1 (float16, bfloat16)
-   and O2 under XLA (`kmix.benchmarks.memory`), with `kmix.memory_report`'s
-   prediction beside them;
-4. `demo` (only when asked, and not with `tests`, which run it):
-   `python -m kmix demo` on the GPU.
-
-Each section ends by its deadline, a share of `--budget-s`; an item that
-would not finish in time is skipped and named. Each item is measured on its
-own (an error becomes its row), printed as soon as it is measured, and
-`report.md` is written again after it (`kmix.benchmarks.gpu_report`), so a
-run stopped at any moment leaves what it measured. Where an NVIDIA driver is
-installed but TensorFlow sees no GPU, it prints TensorFlow's reason and
-exits with status 1 (`kmix.benchmarks.gpu_check`); without any GPU or driver
-it says so and exits 0. It exits 1 too when a test or an item failed.
+Sections, in order, each by its share of `--budget-s`: `tests` (`pytest -m gpu`), `routes` (the GPT training
+step on each route, alone), `memory` (`bench memory`'s configurations under XLA) and, when asked, `demo`.
+Each item prints as measured and `report.md` is rewritten after it, so a stopped run leaves what it measured.
+Exits 1 where a driver is installed but TensorFlow sees no GPU (saying why), or where a test or an item failed.
 """
 
 import argparse
@@ -39,13 +18,11 @@ import tensorflow as tf
 
 import kmix
 from kmix.benchmarks import gpu_check, gpu_routes, gpu_tests, memory
-from kmix.benchmarks.common import progress
+from kmix.benchmarks.common import choices, measured, progress, quiet_tf_logs
 from kmix.benchmarks.gpu_check import NO_GPU  # noqa: F401  (re-exported)
 from kmix.benchmarks.gpu_report import ROUTE_HEADERS, Report, memory_line, route_line, route_rows  # noqa: F401
 
-ROUTES = (
-    # label, policy, stack ("recommended": kmix.autocast + kmix.wrap), TF32, jit_compile.
-    # The most telling first: where the budget runs out, the last are skipped.
+ROUTES = (  # label, policy, stack ("recommended": kmix.autocast + kmix.wrap), TF32, jit_compile; the most telling first
     ("float32", "float32", "keras", True, True),
     ("O1 bfloat16", "O1-bfloat16", "recommended", True, True),
     ("O1 float16", "O1-float16", "recommended", True, True),
@@ -60,12 +37,8 @@ ROUTES = (
 MEMORY = ("float32", "O1", "O1 bfloat16", "O2 masters", "O2 kahan")  # names in memory.CONFIGS
 SECTIONS = ("tests", "routes", "memory", "demo")
 DEFAULT_SECTIONS = ("tests", "routes", "memory")
-# Each section's share of the budget; the sections run take the whole of it between them, in
-# SECTIONS' order, and a section that ends early leaves its time to the next.
-SHARES = {"tests": 0.4, "routes": 0.4, "memory": 0.15, "demo": 0.05}
-SIZES = {
-    # The GPT of `bench train`: wide, so that matmuls dominate the step, and shallow, so that
-    # each route compiles in seconds and most of them fit in the budget.
+SHARES = {"tests": 0.4, "routes": 0.4, "memory": 0.15, "demo": 0.05}  # scaled to the sections run, in order
+SIZES = {  # the routes' GPT: wide (matmuls dominate) and shallow (each route compiles in seconds)
     "full": {"routes": dict(layers=2, d_model=1024, heads=16, seq=512, vocab=32768, batch=16, rounds=3,
                             round_s=1.0, min_steps=5, max_steps=400),
              "memory": dict(layers=4, d_model=512, heads=8, seq=512, vocab=512, batch=16, steps=3),
@@ -78,22 +51,13 @@ SIZES = {
 
 
 class Budget:
-    """The run's time budget: each section ends by its deadline, each item is estimated by the last.
-
-    Args:
-        seconds: the whole run's.
-        sections: the sections that run; their `SHARES` are scaled to fill `seconds`.
-    """
+    """The run's `seconds`: each of `sections` ends by its deadline (by `SHARES`), each item estimated by the last."""
 
     def __init__(self, seconds, sections=DEFAULT_SECTIONS):
-        self.start, self.seconds = time.perf_counter(), seconds
-        self.skipped = []
+        self.start, self.seconds, self.skipped, self.deadlines = time.perf_counter(), seconds, [], {}
         ordered = [s for s in SECTIONS if s in sections]
-        total, end = sum(SHARES[s] for s in ordered), 0.0
-        self.deadlines = {}
-        for s in ordered:
-            end += SHARES[s] / total
-            self.deadlines[s] = end
+        for i, s in enumerate(ordered):
+            self.deadlines[s] = sum(SHARES[o] for o in ordered[:i + 1]) / sum(SHARES[o] for o in ordered)
 
     def left(self, section):
         """Seconds left before `section`'s deadline."""
@@ -112,24 +76,19 @@ class Budget:
 def _measure_each(section, items, budget, report, measure, name, record, line):
     """Measures each item alone, within `section`'s time; records, prints and saves after each."""
     estimate = 0.0
-    logger, level = tf.get_logger(), tf.get_logger().level
-    logger.setLevel("ERROR")  # every item traces its own step
     try:
-        for i, item in enumerate(items, 1):
-            if not budget.allows(section, f"{section} {name(item)}", estimate):
-                continue
-            progress(f"[{section} {i}/{len(items)}] {name(item)}")
-            report.running = f"{section} {name(item)}"
-            report.save()
-            started = time.perf_counter()
-            result = measure(item)
-            estimate = time.perf_counter() - started
-            record.append(result)
-            print(line(result), flush=True)
-            report.running = None
-            report.save()
+        with quiet_tf_logs():
+            for i, item in enumerate(items, 1):
+                if not budget.allows(section, f"{section} {name(item)}", estimate):
+                    continue
+                progress(f"[{section} {i}/{len(items)}] {name(item)}")
+                report.at(f"{section} {name(item)}")
+                started = time.perf_counter()
+                record.append(measure(item))
+                estimate = time.perf_counter() - started
+                print(line(record[-1]), flush=True)
+                report.at(None)
     finally:
-        logger.setLevel(level)
         keras.config.set_dtype_policy("float32")
 
 
@@ -140,21 +99,11 @@ def run_routes(size, budget, report, routes=ROUTES):
     return report.routes
 
 
-def measure_memory(config, size):
-    """`memory.measure` of one configuration under XLA, or `{"name": ..., "error": ...}`."""
-    try:
-        return memory.measure(config, size, size["steps"], jit_compile=True)
-    except Exception as error:  # noqa: BLE001  (the row says what went wrong; the next one runs)
-        return {"name": config[0], "error": gpu_routes.describe(error)}
-    finally:
-        keras.config.set_dtype_policy("float32")
-
-
 def run_memory(size, budget, report, names=MEMORY):
-    """`bench memory`'s configurations named in `names` into `report.memory`; returns that list."""
-    configs = [c for c in memory.CONFIGS if c[0] in names]
-    _measure_each("memory", configs, budget, report, lambda config: measure_memory(config, size),
-                  lambda config: config[0], report.memory, memory_line)
+    """`bench memory`'s configurations named in `names`, under XLA, into `report.memory`; returns that list."""
+    _measure_each("memory", [c for c in memory.CONFIGS if c[0] in names], budget, report,
+                  lambda c: measured(lambda: memory.measure(c, size, size["steps"], jit_compile=True), name=c[0]),
+                  lambda c: c[0], report.memory, memory_line)
     return report.memory
 
 
@@ -165,15 +114,15 @@ def run_demo(steps, budget, report, estimate):
     progress(f"[demo] python -m kmix demo --steps {steps}")
     from kmix import demo  # the demo's modules only when it runs
 
-    report.running = "the demo"
-    report.save()
+    report.at("the demo")
     try:
-        report.demo = demo.main(["--steps", str(steps), "--quiet", "--out", str(report.out)])
-    except Exception as error:  # noqa: BLE001
-        report.notes.append(f"the demo failed: `{gpu_routes.describe(error)}`")
+        result = measured(lambda: demo.main(["--steps", str(steps), "--quiet", "--out", str(report.out)]))
     finally:
         keras.config.set_dtype_policy("float32")
         report.running = None
+    if "error" in result:
+        report.notes.append(f"the demo failed: `{result['error']}`")
+    report.demo = None if "error" in result else result
     return report.demo
 
 
@@ -203,15 +152,12 @@ def _parse(argv):
                         help="tiny sizes, two routes and two memory rows (a smoke test)")
     parser.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # for kmix's own tests
     args = parser.parse_args(argv)
-    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    if not args.sections or set(args.sections) - set(SECTIONS):
-        parser.error(f"--sections accepts {', '.join(SECTIONS)}; received {','.join(args.sections)!r}")
+    args.sections = choices(parser, "--sections", args.sections, SECTIONS)
     if args.budget_s <= 0:
         parser.error(f"--budget-s must be > 0; received {args.budget_s}")
-    labels = [r.strip() for r in args.routes.split(",")] if args.routes else None
-    if labels and set(labels) - {r[0] for r in ROUTES}:
-        parser.error(f"--routes accepts {', '.join(r[0] for r in ROUTES)}; received {args.routes!r}")
-    args.routes = labels or (["float32", "O1 bfloat16"] if args.quick else [r[0] for r in ROUTES])
+    labels = [r[0] for r in ROUTES]
+    args.routes = (choices(parser, "--routes", args.routes, labels) if args.routes
+                   else ["float32", "O1 bfloat16"] if args.quick else labels)
     return args
 
 
@@ -232,14 +178,9 @@ def refuse_without_a_gpu(out):
 def main(argv=None):
     """Runs the GPU checks and writes the report; without a GPU, says so (exit status 1 where a driver is).
 
-    Args:
-        argv: command-line arguments (`--help` lists them); `sys.argv` by default.
-
     Returns:
-        None without a GPU (unless `--allow-cpu`); else a dict: `routes`, `memory` (result dicts),
-        `demo` (the demo's results or None), `tests` (see `gpu_tests.run_tests`), `skipped` (what
-        the budget left out), `report` and `plot` (paths). Exits with status 1 (`SystemExit`)
-        instead, after writing the report, when something failed (`failed`).
+        None without a GPU; else `{"routes", "memory", "demo", "tests", "skipped", "report", "plot"}`.
+        Raises `SystemExit(1)` after writing the report when something failed.
 
     Example:
         >>> from kmix.benchmarks import gpu
@@ -259,12 +200,10 @@ def main(argv=None):
     progress(f"bench gpu on {header}; budget {args.budget_s:.0f} s; sections {', '.join(budget.deadlines)}")
     report.save()
     if "tests" in args.sections:
-        report.running = "the tests (pytest -m gpu)"
-        report.save()
+        report.at("the tests (pytest -m gpu)")
         report.tests = gpu_tests.run_tests(budget.left("tests"), args.out)
-        report.running = None
         print(f"tests: {report.tests['summary']}", flush=True)
-        report.save()
+        report.at(None)
     if "routes" in args.sections:
         run_routes(sizes["routes"], budget, report, [r for r in ROUTES if r[0] in args.routes])
         report.save(plot=True)
@@ -288,14 +227,7 @@ def main(argv=None):
 
 def failed(report):
     """What failed in `report`: the tests (asked for: failed, stopped or not run) and each row with an error."""
-    out = []
     t = report.tests
-    if t is not None and t["returncode"] != 0:  # failed, stopped, or not run (no pytest, no time)
-        out.append(f"pytest -m gpu: {t['summary']}")
-    out += [f"route {r['label']}" for r in report.routes if "error" in r]
-    out += [f"memory {r['name']}" for r in report.memory if "error" in r]
-    return out
-
-
-if __name__ == "__main__":
-    main()
+    return ([f"pytest -m gpu: {t['summary']}"] if t is not None and t["returncode"] != 0 else []) + [
+        f"route {r['label']}" for r in report.routes if "error" in r] + [
+        f"memory {r['name']}" for r in report.memory if "error" in r]

@@ -1,11 +1,6 @@
-"""Whether `bench gpu` has a GPU to measure, and where a driver is installed but none is seen, why.
+"""Whether `bench gpu` has a GPU to measure and, where a driver is installed but none is seen, why.
 
-A machine with the NVIDIA driver but without the CUDA runtime and cuDNN that
-TensorFlow was built against (`pip install tensorflow` brings neither;
-`tensorflow[and-cuda]`, kmix's `gpu` extra, does) shows TensorFlow no GPU.
-TensorFlow logs why while it looks for one, at levels a quiet start hides:
-`why_no_gpu` asks it again in a fresh process with every level on and keeps
-the lines about CUDA and GPUs (`kmix._startup.says_why_no_gpu`).
+`why_no_gpu` asks TensorFlow again in a fresh process with every log level on and keeps its lines about CUDA.
 """
 
 import importlib.metadata
@@ -63,17 +58,7 @@ def cuda_packages():
 
 
 def why_no_gpu(driver, log=None):
-    """The message `bench gpu` prints where `driver` is installed and TensorFlow sees no GPU.
-
-    Args:
-        driver: what `nvidia_driver` found.
-        log: TensorFlow's log while it looked for GPUs (`tensorflow_gpu_log()` by default).
-
-    Returns:
-        Several lines: the driver, TensorFlow's build (its CUDA and cuDNN
-        versions), the `nvidia-*` pip packages, TensorFlow's own lines about
-        CUDA and GPUs, and the usual fix.
-    """
+    """What `bench gpu` prints where `driver` is installed and no GPU is seen: build, packages, TensorFlow's log."""
     log = tensorflow_gpu_log() if log is None else log
     build = tf.sysconfig.get_build_info()
     built = (f"built with CUDA {build.get('cuda_version')} and cuDNN {build.get('cudnn_version')}"

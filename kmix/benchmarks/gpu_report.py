@@ -1,9 +1,4 @@
-"""`bench gpu`'s report: `report.md` (tables to paste into docs/benchmarks.md) and `gpu.png`.
-
-A `Report` holds what has been measured so far and is written again after
-every item: a run stopped at any moment leaves a report of everything
-measured before, and says what was running.
-"""
+"""`bench gpu`'s report: `report.md`, rewritten after every item and saying what runs, and `gpu.png`."""
 
 import os
 import time
@@ -14,7 +9,8 @@ import tensorflow as tf
 
 import kmix
 from kmix.benchmarks import memory
-from kmix.benchmarks.common import format_table
+from kmix._output import markdown_table
+from kmix.benchmarks.common import format_bytes as _bytes, ratio_bars
 
 ROUTE_HEADERS = ["route", "stack", "XLA", "TF32", "ms/step", "spread", "fit overhead", "steps/round", "tokens/s",
                  "TFLOP/s", "peak mem", "speed x f32", "mem x f32", "loss", "skipped", "final scale",
@@ -68,16 +64,6 @@ def memory_line(r):
             f"(memory_report: {_bytes(r['report_state_bytes'])}), {r['step_seconds'] * 1e3:.4g} ms/step")
 
 
-def markdown_table(headers, rows):
-    """A GitHub markdown table of `rows`, numbers written as `format_table` writes them."""
-    return _markdown(*_split(format_table(headers, rows)))
-
-
-def _markdown(headers, rows):
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
 class Report:
     """What `bench gpu` has measured so far, written to `report.md` in `out` by `save`.
 
@@ -95,8 +81,13 @@ class Report:
         self.start = time.perf_counter()
         self.path = str(self.out / "report.md")
 
+    def at(self, running):
+        """Records what runs now (None: nothing) and saves."""
+        self.running = running
+        self.save()
+
     def save(self, plot=False):
-        """Writes `report.md` (beside, then moved into place), and `gpu.png` with `plot`; returns the PNG's path or None."""
+        """Writes `report.md` (beside, then moved into place) and, with `plot`, `gpu.png`; returns its path or None."""
         self.out.mkdir(parents=True, exist_ok=True)
         partial = self.out / "report.md.partial"
         partial.write_text(self.markdown(), encoding="utf-8")
@@ -129,7 +120,7 @@ class Report:
             md += [f"Running when the time ran out: `{t['running']}`.", ""]
         if t["outcomes"]:
             rows = [[test, outcome, f"{s:.1f}" if s is not None else "-"] for test, outcome, s in t["outcomes"]]
-            md += [_markdown(["test", "outcome", "seconds"], rows), ""]
+            md += [markdown_table(["test", "outcome", "seconds"], rows), ""]
         if t["tail"] and t["returncode"] != 0:
             md += [f"The log's last lines (all of it: `{t['log']}`):", "", "```", t["tail"], "```", ""]
         return md
@@ -169,67 +160,21 @@ class Report:
     def _demo(self):
         if self.demo is None:
             return []
-        from kmix.demo import format_results
+        from kmix.demo.report import results_table
 
         runs = {k: v for k, v in self.demo.items() if k != "plot"}
-        return ["### The float16 NaN demo", "", _markdown(*_split(format_results(runs, "mixed_float16"))), ""]
-
-
-def _split(table):
-    """A `format_table` string back into `(headers, rows)`."""
-    lines = table.splitlines()
-    widths = [len(c) for c in lines[1].split("  ")]
-
-    def cells(line):
-        row, pos = [], 0
-        for w in widths:
-            row.append(line[pos:pos + w].strip())
-            pos += w + 2
-        return row
-
-    return cells(lines[0]), [cells(line) for line in lines[2:]]
+        return ["### The float16 NaN demo", "", markdown_table(*results_table(runs, "mixed_float16")), ""]
 
 
 def draw(routes, mem, path, title):
-    """Saves speed (routes) and peak memory (memory configurations) against float32 as a PNG; returns its path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Saves speed (routes) and peak memory (memory rows) against float32 as a PNG; returns its path."""
     routes = [r for r in routes if "error" not in r]
     mem = [r for r in mem if "error" not in r]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    panels = [
-        (axes[0], [r["label"] for r in routes], [row[SPEED] for row in route_rows(routes)],
-         "training step speed / Keras float32 (XLA, TF32 on)"),
-        (axes[1], [r["name"] for r in mem], [row[5] for row in memory.format_rows(mem)] if mem else [],
-         "peak memory / float32, XLA"),
-    ]
-    for ax, names, values, label in panels:
-        values = [v if isinstance(v, float) else 0.0 for v in values]
-        ax.set_title(label, fontsize=9)
-        if not values:
-            ax.text(0.5, 0.5, "not run", ha="center", va="center")
-            continue
-        bars = ax.barh(range(len(names)), values, color="tab:blue")
-        ax.bar_label(bars, fmt="%.2f", fontsize=8)
-        ax.axvline(1.0, color="black", linewidth=0.8)
-        ax.set_yticks(range(len(names)), names, fontsize=8)
-        ax.invert_yaxis()
-        ax.set(xlim=(0, max(values) * 1.2 or 1.0))
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return str(path)
+    return ratio_bars([([r["label"] for r in routes], [row[SPEED] for row in route_rows(routes)],
+                        "training step speed / Keras float32 (XLA, TF32 on)"),
+                       ([r["name"] for r in mem], [row[5] for row in memory.format_rows(mem)],
+                        "peak memory / float32, XLA")], path, title)
 
 
 def _percent(x):
     return "-" if x is None else f"{x:.1%}"
-
-
-def _bytes(n):
-    if not n:
-        return "n/a"
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

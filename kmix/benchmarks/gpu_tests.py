@@ -1,9 +1,6 @@
-"""`bench gpu`'s tests section: `pytest -m gpu` in a subprocess, its log kept beside the report.
+"""`bench gpu`'s tests section: `pytest -m gpu` in a subprocess, verbose and unbuffered into `pytest.log`.
 
-pytest runs verbose (`-v -rA --durations=0`), unbuffered, into `pytest.log`
-in the report's folder: each test's name is written when it starts, so a
-run stopped by the time limit, or a kill of the whole command, still says
-which test was running and what the others gave.
+Each test's name is in the log when it starts: a run stopped by the budget still says which test was running.
 """
 
 import contextlib
@@ -34,10 +31,8 @@ def gpu_test_files(root):
 
 def tests_root():
     """The `tests` folder of the clone kmix runs from (or of the working directory), or None."""
-    for root in (Path(kmix.__file__).resolve().parents[1] / "tests", Path.cwd() / "tests"):
-        if root.is_dir():
-            return root
-    return None
+    return next((root for root in (Path(kmix.__file__).resolve().parents[1] / "tests", Path.cwd() / "tests")
+                 if root.is_dir()), None)
 
 
 def pytest_installed():
@@ -52,18 +47,11 @@ def not_run(why, command=None):
 
 
 def run_tests(seconds, out, root=None):
-    """`pytest -m gpu` on the files that hold such tests, in a subprocess, for at most `seconds`.
-
-    Args:
-        seconds: the time the tests may take; under `MIN_SECONDS` they are not started.
-        out: the folder `pytest.log` is written to.
-        root: the tests folder (`tests_root()` by default).
+    """`pytest -m gpu` on the files under `root` that hold such tests, in a subprocess, for at most `seconds`.
 
     Returns:
-        A dict: `command`, `summary` (pytest's last line, e.g. `"5 passed in 41.2s"`, or why nothing
-        ran), `returncode` (None if not run or stopped), `tail` (the log's last lines), `log` (its
-        path), `outcomes` (`[(test, outcome, seconds)]`, in the order they ran) and `running` (the
-        test that was running when the time ran out, else None).
+        `command`, `summary` (pytest's last line, or why nothing ran), `returncode` (None if not run or
+        stopped), `tail`, `log` (`out/pytest.log`), `outcomes` (`[(test, outcome, seconds)]`), `running`.
     """
     if not pytest_installed():
         return not_run('pytest is not installed: `pip install ".[gpu]"` (or ".[test]") brings it')
@@ -99,19 +87,19 @@ def run_tests(seconds, out, root=None):
 
 @contextlib.contextmanager
 def _terminate_as_exit():
-    """Inside the block, SIGTERM raises `SystemExit`, so that `finally` blocks run (in the main thread)."""
+    """Inside the block, SIGTERM raises `SystemExit`, so that `finally` blocks run (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _exit)
+
+    def exit_(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-
-
-def _exit(signum, frame):
-    raise SystemExit(128 + signum)
 
 
 def pytest_summary(output):

@@ -1,17 +1,7 @@
 """`python -m kmix bench profile`: where each route's training step spends its time, per op type.
 
-Traces `--steps` training steps of each route with the TensorFlow profiler
-(`tf.profiler.experimental`), sums the time of every TensorFlow op on the
-executor's threads by op type (`MatMul`, `Cast`, `Mul`, ...), and prints
-milliseconds per step side by side, with each route's ratio against the
-first (float32 Keras). The categories at the bottom say where a half route
-gains and where it does not: matmuls speed up with bfloat16 on a CPU with
-AVX512_BF16; elementwise work, casts and the optimizer update over float32
-variables do not.
-
-Op times overlap when the executor runs ops in parallel, and they include
-the intra-op threads' work only through the op that waits for it: read
-them as shares of the step, not as a wall-clock sum.
+Traces `--steps` steps of each route with TensorFlow's profiler and sums each op type's time on the
+executor's threads (overlapping where ops run in parallel: shares of the step, not a wall-clock sum).
 """
 
 import argparse
@@ -23,7 +13,7 @@ import tempfile
 import tensorflow as tf
 
 from kmix import _compat
-from kmix.benchmarks.common import format_table, progress
+from kmix.benchmarks.common import add_size_arguments, check_sizes, choices, format_table, progress
 from kmix.benchmarks.routes import Route
 
 ROUTES = {
@@ -114,11 +104,7 @@ def tables(profiles, top):
 
 
 def main(argv=None):
-    """Prints the op-type and category tables.
-
-    Returns:
-        A dict: `profiles` (`{route: {op type: ms per step}}`), `ops` and
-        `categories` (the tables' rows).
+    """Prints the op-type and category tables; returns `{"profiles": {route: {op: ms}}, "ops", "categories"}`.
 
     Example:
         >>> from kmix.benchmarks import profile
@@ -127,23 +113,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m kmix bench profile", description=__doc__.splitlines()[0])
     parser.add_argument("--routes", default="f32,keras-bf16,kmix-bf16",
                         help="comma-separated, among " + ", ".join(ROUTES) + "; the first is the reference")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--d-model", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=5, help="traced steps per route; default 5")
+    add_size_arguments(parser, layers=2, d_model=512, heads=8, seq=128, batch=8, vocab=2048, steps=5)
     parser.add_argument("--top", type=int, default=20, help="op types shown; default 20")
     parser.add_argument("--logdir", default=None, help="keep the traces here (TensorBoard's profile tab reads them)")
     parser.add_argument("--quick", action="store_true", help="a smoke test: tiny sizes, 2 steps")
     args = parser.parse_args(argv)
-    names = [n.strip() for n in args.routes.split(",") if n.strip()]
-    if not names or any(n not in ROUTES for n in names):
-        parser.error(f"--routes accepts {', '.join(ROUTES)}; received {args.routes!r}")
-    if args.quick:
-        args.layers, args.d_model, args.heads, args.seq, args.batch, args.vocab, args.steps = 1, 16, 2, 16, 2, 64, 2
-    size = {k: getattr(args, k) for k in ("layers", "d_model", "heads", "seq", "batch", "vocab")}
+    names = choices(parser, "--routes", args.routes, ROUTES)
+    size = check_sizes(parser, args)
     with tempfile.TemporaryDirectory() as tmp:
         logdir = args.logdir or tmp
         profiles = {}
@@ -158,7 +134,3 @@ def main(argv=None):
     print()
     print(format_table(["category"] + names + ratio_headers, cat_rows))
     return {"profiles": profiles, "ops": op_rows, "categories": cat_rows}
-
-
-if __name__ == "__main__":
-    main()

@@ -1,31 +1,9 @@
 """`python -m kmix bench recommend`: is `kmix.recommend(model, x, y)` steady on a loaded machine?
 
-The case of issue 35: a 2-block transformer encoder (d_model 256, seq 128,
-`batch_size=16`) on a 2-core CPU with other work beside it. The benchmark
-starts `--busy` processes that spin on the CPU, then `--runs` times starts a
-fresh Python process that
-
-1. calls `kmix.recommend(model, x, y, batch_size=16)` as a new user would
-   (the probe picks the half dtypes, `budget_s` its default), and decides
-   the same table again with the other tie rule (`tie="float32"`, which
-   keeps float32 where the rounds cannot separate a half route from it);
-2. hand-times every route recommend timed, in the same load: each built as
-   the README builds it (`kmix.autocast` of a clone, compiled in
-   `kmix.policy_scope` with `kmix.wrap` and the route's `jit_compile`),
-   then `--hand-rounds` interleaved rounds of `--hand-steps`
-   `train_on_batch` steps each, timed with a plain loop; the figure is the
-   median round.
-
-A pick counts as good when its hand-timed median is within 5% of the
-fastest route's. The table shows each run's load average, the pick and its
-rounds, whether the tie rule decided it, and both rules' picks against the
-hand-timed fastest: how often each picks a slower route, and by how much.
-
-`--simulate` measures the same on a model of the load instead, in a second:
-`SCENARIOS` give each route a true step time, every step is that time
-times log-normal noise, and recommend's rounds (`kmix.route.timing`, with
-`kmix.route.rule.unsettled` asking for more) run on a simulated clock, 40
-seeds each; both tie rules decide every seed's rounds.
+Issue 35's case: a 2-block transformer encoder on a CPU with `--busy` spinning processes beside it. Each of
+`--runs` fresh processes calls `kmix.recommend` as a new user would, decides its table again with the other
+tie rule (`tie="float32"`), and hand-times every route in the same load; a pick within 5% of the fastest
+hand-timed route is a good one. `--simulate` scores both tie rules on simulated loaded rounds instead.
 """
 
 import argparse
@@ -33,43 +11,32 @@ import datetime
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
 
-from kmix._output import format_table, progress
+import keras
+import numpy as np
+
+import kmix
+from kmix.benchmarks.common import alternate, format_table, in_fresh_process, progress
+from kmix.benchmarks.gpt import PositionEmbedding
 from kmix.route import rule, timing, trials
 
 WITHIN = 1.05  # a pick within 5% of the fastest hand-timed route is a good one
 SPIN = "while True:\n    pass\n"
-# name -> (true ms per step of each route (dtype, jit_compile), the noise: sigma of log(step / true step))
-SCENARIOS = {
-    "issue 35's encoder (bfloat16 2.3x), 34% noise": (
-        {("float32", False): 378.0, ("float32", True): 420.0, ("bfloat16", False): 166.0, ("bfloat16", True): 400.0},
-        0.34),
-    "bfloat16 1.11x, 34% noise": (
-        {("float32", False): 100.0, ("float32", True): 130.0, ("bfloat16", False): 90.0, ("bfloat16", True): 140.0},
-        0.34),
-    "XLA 4% slower, bfloat16 1.06x, 25% noise": (
-        {("float32", False): 100.0, ("float32", True): 104.0, ("bfloat16", False): 94.3, ("bfloat16", True): 140.0},
-        0.25),
-    "bfloat16 level with float32, 34% noise": (
-        {("float32", False): 100.0, ("float32", True): 130.0, ("bfloat16", False): 100.0, ("bfloat16", True): 140.0},
-        0.34),
+ROUTES = (("float32", False), ("float32", True), ("bfloat16", False), ("bfloat16", True))  # (dtype, jit_compile)
+SCENARIOS = {  # name -> ({route: true ms per step}, the noise: sigma of log(step / true step))
+    "issue 35's encoder (bfloat16 2.3x), 34% noise": (dict(zip(ROUTES, (378.0, 420.0, 166.0, 400.0))), 0.34),
+    "bfloat16 1.11x, 34% noise": (dict(zip(ROUTES, (100.0, 130.0, 90.0, 140.0))), 0.34),
+    "XLA 4% slower, bfloat16 1.06x, 25% noise": (dict(zip(ROUTES, (100.0, 104.0, 94.3, 140.0))), 0.25),
+    "bfloat16 level with float32, 34% noise": (dict(zip(ROUTES, (100.0, 130.0, 100.0, 140.0))), 0.34),
 }
 
 
 def build_encoder(blocks=2, d_model=256, heads=4, seq=128, vocab=1000, classes=2):
-    """The issue's model: a transformer encoder classifier in float32, compiled as a user would (Adam).
-
-    Token and (trained) position embeddings, `blocks` post-norm blocks of
-    `keras.layers.MultiHeadAttention` and a GELU MLP (4 x `d_model`), mean
-    pooling and a `classes`-way head.
-    """
-    import keras
-
-    from kmix.benchmarks.gpt import PositionEmbedding
-
+    """The issue's model: a post-norm transformer encoder classifier in float32, compiled with Adam."""
     keras.utils.set_random_seed(0)
     tokens = keras.Input((seq,), dtype="int32")
     x = PositionEmbedding()(keras.layers.Embedding(vocab, d_model)(tokens))
@@ -86,18 +53,12 @@ def build_encoder(blocks=2, d_model=256, heads=4, seq=128, vocab=1000, classes=2
 
 def data(rows, seq=128, vocab=1000, classes=2):
     """Random tokens and labels, `(x, y)`."""
-    import numpy as np
-
     rng = np.random.default_rng(0)
     return rng.integers(0, vocab, (rows, seq)).astype("int32"), rng.integers(0, classes, rows).astype("int32")
 
 
 def hand_time(model, x, y, routes, rounds, steps):
     """Seconds per step of each route, `{(policy, jit_compile): [one per round]}`, timed with a plain loop."""
-    import keras
-
-    import kmix
-
     built = {}
     for policy, jit in routes:
         clone = keras.models.clone_model(model)
@@ -105,29 +66,14 @@ def hand_time(model, x, y, routes, rounds, steps):
         placed = kmix.autocast(clone, policy)
         with kmix.policy_scope(policy):
             placed.compile(optimizer=kmix.wrap(keras.optimizers.Adam()), loss=model.loss, jit_compile=jit)
-        for _ in range(3):  # the trace (or XLA compile), the optimizer's build, one more
-            placed.train_on_batch(x, y)
-        built[(policy, jit)] = placed
-    seconds = {route: [] for route in built}
-    order = list(built)
-    for r in range(rounds):
-        for route in order[r % len(order):] + order[:r % len(order)]:
-            begin = time.perf_counter()
-            for _ in range(steps):
-                built[route].train_on_batch(x, y)
-            seconds[route].append((time.perf_counter() - begin) / steps)
-    return seconds
+        built[(policy, jit)] = lambda m=placed: [m.train_on_batch(x, y) for _ in range(steps)]
+    # Three warm-up steps each at least: the trace (or XLA compile), the optimizer's build, one more.
+    times = alternate(built, rounds, warmup=max(1, math.ceil(3 / steps)), rotate=True)
+    return {route: [t / steps for t in seconds] for route, seconds in times.items()}
 
 
 def trial(size, batch_size, budget_s, hand_rounds, hand_steps, probe_shape=None, dtypes=None):
-    """One fresh run: recommend, the other tie rule on its table, and the hand-timed routes. A dict.
-
-    `probe_shape`: the probe's `(m, k, n)` (None: recommend's default probe, as a user gets it);
-    `dtypes`: recommend's (None: the probe chooses, as for a user).
-    """
-    import statistics
-
-    import kmix
+    """One run: recommend (`probe_shape`, `dtypes`: None as a user gets them), the other tie rule, hand timing."""
     from kmix.route import facts
     from kmix.route.recommendation import decide_routes
 
@@ -152,27 +98,23 @@ def trial(size, batch_size, budget_s, hand_rounds, hand_steps, probe_shape=None,
     routes += [pick for pick in {(rec.policy, rec.jit_compile), (strict.policy, strict.jit_compile)}
                if pick not in routes]
     hand = hand_time(model, x[:batch_size], y[:batch_size], routes, hand_rounds, hand_steps)
-    return {
-        "load": load,
-        "pick": [rec.policy, rec.jit_compile],
-        "strict_pick": [strict.policy, strict.jit_compile],
-        "tie": any("tie rule" in reason for reason in rec.reasons),
-        "rounds": {_label(route): len(r.seconds) for route, r in zip(routes, table.routes)},  # timed ones only
-        "recommend_ms": {_label(route): statistics.median(r.seconds) * 1e3 for route, r in zip(routes, table.routes)},
-        "hand_ms": {_label(route): statistics.median(v) * 1e3 for route, v in hand.items()},
-        "seconds": seconds,
-    }
+    timed = list(zip(routes, table.routes))  # the routes recommend timed
+    return {"load": load, "pick": [rec.policy, rec.jit_compile], "strict_pick": [strict.policy, strict.jit_compile],
+            "tie": any("tie rule" in reason for reason in rec.reasons),
+            "rounds": {_label(route): len(r.seconds) for route, r in timed},
+            "recommend_ms": {_label(route): statistics.median(r.seconds) * 1e3 for route, r in timed},
+            "hand_ms": {_label(route): statistics.median(v) * 1e3 for route, v in hand.items()}, "seconds": seconds}
 
 
 def _label(route):
-    policy, jit = route
-    return f"{policy}, {'XLA' if jit else 'tf.function'}"
+    return f"{route[0]}, {'XLA' if route[1] else 'tf.function'}"
 
 
 def score(run):
     """`{rule: pick's hand-timed step / the fastest's}` for the recommended rule and the other."""
     fastest = min(run["hand_ms"].values())
-    return {tie: run["hand_ms"][_label(run[key])] / fastest for tie, key in (("median", "pick"), ("float32", "strict_pick"))}
+    return {tie: run["hand_ms"][_label(run[key])] / fastest
+            for tie, key in (("median", "pick"), ("float32", "strict_pick"))}
 
 
 def summarize(runs):
@@ -188,11 +130,10 @@ def summarize(runs):
                      s["float32"]])
     for tie in rule.TIES:
         costs = [score(run)[tie] for run in runs]
-        good = sum(c <= WITHIN for c in costs)
         slower = [c for c in costs if c > WITHIN]
         worst = f"; slower in {len(slower)}, by {(max(slower) - 1):.0%} at worst" if slower else ""
-        lines.append(f"tie={tie!r}{' (recommend default)' if tie == 'median' else ''}: within "
-                     f"{WITHIN - 1:.0%} of the fastest hand-timed route in {good} of {len(runs)} runs{worst}; "
+        lines.append(f"tie={tie!r}{' (recommend default)' if tie == 'median' else ''}: within {WITHIN - 1:.0%} of "
+                     f"the fastest hand-timed route in {len(costs) - len(slower)} of {len(runs)} runs{worst}; "
                      f"mean cost {(sum(costs) / len(costs) - 1):+.1%}.")
     return rows, lines
 
@@ -214,11 +155,10 @@ def main(argv=None):
     parser.add_argument("--hand-rounds", type=int, default=15, help="hand-timed interleaved rounds; default 15")
     parser.add_argument("--hand-steps", type=int, default=3, help="steps per hand-timed round; default 3")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write every run's figures here")
-    parser.add_argument("--simulate", action="store_true",
-                        help="no timing: the tie rules on simulated loaded rounds (SCENARIOS), in seconds")
-    parser.add_argument("--quick", action="store_true",
-                        help="a smoke test: 1 run, 1 busy process, a 1-block d 16 seq 8 encoder, budget 2 s, "
-                        "a tiny probe")
+    parser.add_argument("--simulate", action="store_true", help="no timing: the tie rules on simulated loaded "
+                        "rounds (SCENARIOS), in seconds")
+    parser.add_argument("--quick", action="store_true", help="a smoke test: 1 run, 1 busy process, a 1-block d 16 "
+                        "seq 8 encoder, budget 2 s, a tiny probe")
     args = parser.parse_args(argv)
     if args.simulate:
         return {"simulation": print_simulation()}
@@ -227,27 +167,19 @@ def main(argv=None):
         args.budget, args.hand_rounds, args.hand_steps, args.batch_size = 2.0, 3, 1, 4
     size = {"blocks": args.blocks, "d_model": args.d_model, "heads": 4 if args.d_model % 4 == 0 else 1,
             "seq": args.seq, "vocab": 1000, "classes": 2}
-    spec = json.dumps({"size": size, "batch_size": args.batch_size, "budget_s": args.budget,
-                       "hand_rounds": args.hand_rounds, "hand_steps": args.hand_steps,
-                       "probe_shape": (64, 16, 32) if args.quick else None})
-    code = ("import json, sys\nfrom kmix.benchmarks.recommend import trial\n"
-            f"print('RESULT ' + json.dumps(trial(**json.loads({spec!r}))), flush=True)\n")
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    spec = {"size": size, "batch_size": args.batch_size, "budget_s": args.budget, "hand_rounds": args.hand_rounds,
+            "hand_steps": args.hand_steps, "probe_shape": (64, 16, 32) if args.quick else None}
     busy = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(args.busy)]
     runs = []
     try:
         for i in range(1, args.runs + 1):
             progress(f"bench recommend: run {i}/{args.runs} in a fresh process, {args.busy} busy beside it")
-            done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-            found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-            if done.returncode or not found:
-                raise RuntimeError(f"run {i} failed (exit status {done.returncode}):\n{done.stderr[-3000:]}")
-            runs.append(json.loads(found[-1][len("RESULT "):]))
+            runs.append(in_fresh_process("kmix.benchmarks.recommend", "trial", spec))
     finally:
         for process in busy:
             process.kill()
             process.wait()
-    cpu = _cpu_model()
+    cpu = kmix.device.cpu_features()["model"]
     print(f"kmix.recommend(model, x, y, batch_size={args.batch_size}) on a {args.blocks}-block encoder, d_model "
           f"{args.d_model}, seq {args.seq}; {args.runs} fresh runs with {args.busy} busy processes beside them; "
           f"CPU {cpu}, {os.cpu_count()} cores; {datetime.date.today().isoformat()}")
@@ -263,25 +195,14 @@ def main(argv=None):
 
 
 def simulate(true_ms, sigma, seed, budget_s=8.0):
-    """recommend's rounds on a simulated clock: `{route: [seconds per step, one per round]}`.
-
-    Args:
-        true_ms: `{(dtype, jit_compile): milliseconds per step}`.
-        sigma: each step takes its true time times `exp(normal(0, sigma))`.
-        seed: the noise's seed.
-        budget_s: the seconds of rounds (compiling is not simulated).
-    """
-    import numpy as np
-
+    """recommend's rounds on a simulated clock, each step `true_ms[route] * exp(normal(0, sigma))`."""
     rng, now = np.random.default_rng(seed), [0.0]
 
     def step(route):
-        def call():
-            now[0] += true_ms[route] * 1e-3 * math.exp(rng.normal(0.0, sigma))
-        return call
+        now[0] += true_ms[route] * 1e-3 * math.exp(rng.normal(0.0, sigma))
 
-    return timing.run_rounds({route: step(route) for route in true_ms}, {route: 1 for route in true_ms}, budget_s,
-                             min_rounds=trials.MIN_ROUNDS, max_rounds=trials.MAX_ROUNDS,
+    return timing.run_rounds({route: (lambda r=route: step(r)) for route in true_ms}, dict.fromkeys(true_ms, 1),
+                             budget_s, min_rounds=trials.MIN_ROUNDS, max_rounds=trials.MAX_ROUNDS,
                              more=lambda rounds: rule.unsettled(rounds, False), clock=lambda: now[0])
 
 
@@ -311,9 +232,3 @@ def print_simulation(seeds=40):
           f"{trials.MAX_ROUNDS}, 8 s of rounds).")
     print(format_table(["scenario", "tie rule", "within 5%", "mean cost", "worst", "rounds"], rows))
     return rows
-
-
-def _cpu_model():
-    from kmix.route.facts import cpu_features
-
-    return cpu_features()["model"]

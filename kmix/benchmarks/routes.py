@@ -1,32 +1,7 @@
-"""The routes the speed benchmarks compare, each a way a user could make one model faster.
+"""The routes the speed benchmarks compare: a dtype policy and a stack (`STACKS`) on one of `MODELS`.
 
-A route is a dtype policy and a stack:
-
-- `keras`: plain Keras, the policy set globally (`float32` is the baseline;
-  under `mixed_float16` `compile` wraps Keras's own `LossScaleOptimizer`);
-- `kmix`: the policy set globally, kmix's layers (the GPT's attention is
-  `kmix.layers.MultiHeadAttention`, float32 softmax) and `kmix.wrap`;
-- `keras-again`: the `keras` route built a second time: a control, since
-  the same route twice must measure alike within the noise reported;
-- `tf-rewrite`: the float32 Keras model under TensorFlow's own grappler
-  rewrite (`auto_mixed_precision_onednn_bfloat16` on a CPU,
-  `auto_mixed_precision` on a GPU), set only while this route runs;
-- `autocast`: the model built in float32, `kmix.autocast(model, "O1-<half>")`
-  for the half policy of the row (`mixed_bfloat16` -> `O1-bfloat16`), compiled
-  inside `kmix.policy_scope` with `kmix.wrap`: kmix's O1 against Keras's own
-  mixed policy on the same model;
-- `recommended`: what `kmix.recommend()` picks on this device: the float32
-  model (kmix stack), `kmix.autocast(model, rec.policy)`, compiled inside
-  `kmix.policy_scope(rec.policy)` with `kmix.wrap` and `rec.jit_compile`;
-- `recommend(model)`: the same, with the route `kmix.recommend(model, sample=...)`
-  measured on this model's own training step (`recommend_on_model`).
-
-The models: the GPT-style decoder of `kmix.benchmarks.gpt` (`gpt`);
-`keras.applications.ResNet50` and `MobileNetV2` (`weights=None`) at a small
-input size (`resnet50`, `mobilenetv2`); and, with keras-hub installed, a
-keras-hub `GPT2Backbone` with an untied `Dense` LM head (`gpt2-lm`) and a
-keras-hub `BertBackbone` classifier on its pooled output (`bert`), built
-from constructor arguments (no presets, no download).
+Stacks: `keras`, `keras-again` (a control), `kmix` (its layers, `kmix.wrap`), `tf-rewrite` (TensorFlow's
+grappler rewrite), `autocast` (`kmix.autocast(model, "O1-<half>")`), `recommended`, `recommend(model)`.
 """
 
 import contextlib
@@ -37,7 +12,7 @@ import tensorflow as tf
 
 import kmix
 from kmix.benchmarks import gpt
-from kmix.benchmarks.common import steady
+from kmix.benchmarks.common import gpu_device, steady
 
 STACKS = ("keras", "keras-again", "kmix", "tf-rewrite", "autocast", "recommended", "recommend(model)")
 PLACED = ("autocast", "recommended", "recommend(model)")  # built in float32 and placed by kmix.autocast
@@ -46,23 +21,14 @@ HUB_MODELS = ("gpt2-lm", "bert")  # need keras-hub
 LOGITS = ("gpt", "gpt2-lm", "bert")  # models whose outputs are logits (the loss takes from_logits=True)
 
 
-def on_gpu():
-    """Whether TensorFlow sees a GPU."""
-    return bool(tf.config.list_physical_devices("GPU"))
-
-
 def rewrite_option():
     """The grappler option of TensorFlow's own mixed-precision rewrite on this device."""
-    return "auto_mixed_precision" if on_gpu() else "auto_mixed_precision_onednn_bfloat16"
+    return "auto_mixed_precision" if gpu_device() else "auto_mixed_precision_onednn_bfloat16"
 
 
 @contextlib.contextmanager
 def grappler_rewrite(enabled=True):
-    """Turns TensorFlow's mixed-precision graph rewrite on (or off) inside the block.
-
-    The option is read each time a function runs, so functions that run
-    outside the block are not rewritten.
-    """
+    """TensorFlow's mixed-precision graph rewrite on (or off) inside the block; read each time a function runs."""
     key = rewrite_option()
     previous = tf.config.optimizer.get_experimental_options().get(key, False)
     tf.config.optimizer.set_experimental_options({key: enabled})
@@ -73,31 +39,19 @@ def grappler_rewrite(enabled=True):
 
 
 def build(model_name, size, stack):
-    """The model under the current dtype policy (uncompiled), its data, and items per batch.
+    """`(model, dataset, items per batch)`: `model_name` uncompiled under the current policy, one batch repeated.
 
-    Args:
-        model_name: one of `MODELS`.
-        size: for `"gpt"`: `layers`, `d_model`, `heads`, `seq`, `vocab`,
-            `batch`; for `"resnet50"`: `image` (side in pixels), `classes`, `batch`.
-        stack: `"keras"` or `"kmix"` (which attention the GPT uses).
-
-    Returns:
-        `(model, dataset, items)`: a repeated `tf.data.Dataset` of one batch
-        of `(x, y)`, and the tokens (GPT) or images (ResNet) per batch.
+    `size` holds `layers`, `d_model`, `heads`, `seq`, `vocab`, `image`, `classes`, `batch`; `stack` is
+    `"keras"` or `"kmix"` (whose attention the GPT uses).
     """
     if model_name == "gpt":
-        model = gpt.build_model(size["layers"], size["d_model"], size["heads"], size["seq"],
-                                size["vocab"], stack)
+        model = gpt.build_model(size["layers"], size["d_model"], size["heads"], size["seq"], size["vocab"], stack)
         return model, gpt.make_dataset(size["batch"], size["seq"], size["vocab"]), size["batch"] * size["seq"]
-    if model_name == "resnet50":
+    if model_name in ("resnet50", "mobilenetv2"):
         keras.utils.set_random_seed(0)
         side = size["image"]
-        model = keras.applications.ResNet50(weights=None, input_shape=(side, side, 3), classes=size["classes"])
-        return model, _image_data(size), size["batch"]
-    if model_name == "mobilenetv2":
-        keras.utils.set_random_seed(0)
-        side = size["image"]
-        model = keras.applications.MobileNetV2(weights=None, input_shape=(side, side, 3), classes=size["classes"])
+        application = keras.applications.ResNet50 if model_name == "resnet50" else keras.applications.MobileNetV2
+        model = application(weights=None, input_shape=(side, side, 3), classes=size["classes"])
         return model, _image_data(size), size["batch"]
     if model_name in HUB_MODELS:
         model = _hub_model(model_name, size)
@@ -145,26 +99,8 @@ def _token_data(model_name, size):
     return steady(tf.data.Dataset.from_tensors((x, y)).repeat())
 
 
-def autocast_policy(policy):
-    """The kmix policy of an `autocast` row: `"mixed_<half>"` -> `"O1-<half>"`, float32 as it is."""
-    return "O1-" + policy.split("_", 1)[1] if policy.startswith("mixed_") else policy
-
-
 def recommend_on_model(model_name, size, budget_s, probe=None):
-    """`kmix.recommend(model, sample=...)` on the float32 model (kmix stack), as a user would call it.
-
-    The model is compiled as a user's float32 model would be (AdamW, the
-    benchmark's loss, Keras's default compile); recommend times copies of it.
-
-    Args:
-        model_name, size: see `build`.
-        budget_s: `kmix.recommend`'s.
-        probe: the `kmix.device.Probe` that picks the half dtypes to time
-            (None: `kmix.recommend` measures the default one).
-
-    Returns:
-        The `kmix.Recommendation`, with its `table` of routes.
-    """
+    """`kmix.recommend(model, sample=..., budget_s=..., probe=...)` on the float32 model, compiled as a user would."""
     with kmix.policy_scope("float32"):
         model, data, _ = build(model_name, size, "kmix")
     model.compile(optimizer=keras.optimizers.AdamW(1e-4), loss=loss_for(model_name))
@@ -177,17 +113,8 @@ def loss_for(model_name):
 
 
 class Route:
-    """One route, built and compiled, ready to train or predict.
-
-    Args:
-        model_name: one of `MODELS`.
-        size: see `build`.
-        policy: the dtype policy (`"float32"`, `"mixed_bfloat16"`, ...); for
-            `"recommended"`, the recommendation's.
-        stack: one of `STACKS`.
-        jit_compile: passed to `model.compile` (`"auto"`: Keras's default,
-            XLA only with a GPU).
-    """
+    """One route, built and compiled, ready to train or predict: `model_name` and `size` as `build`'s, a
+    policy, a stack of `STACKS` and `model.compile`'s `jit_compile` (`"auto"`: Keras's default)."""
 
     def __init__(self, model_name, size, policy, stack, jit_compile):
         if stack not in STACKS:
@@ -197,9 +124,8 @@ class Route:
         with kmix.policy_scope(build_policy):
             plain = stack in ("keras", "keras-again", "tf-rewrite")
             model, self.data, self.items = build(model_name, size, "keras" if plain else "kmix")
-        if stack == "autocast":
-            policy = autocast_policy(policy)
-            self.policy = policy
+        if stack == "autocast":  # "mixed_<half>" -> "O1-<half>"
+            policy = self.policy = "O1-" + policy.split("_", 1)[1] if policy.startswith("mixed_") else policy
         if stack in PLACED:
             model = kmix.autocast(model, policy)
         optimizer = keras.optimizers.AdamW(1e-4)
@@ -225,7 +151,3 @@ class Route:
         with self._context():
             out = self.model.predict(self.data.map(lambda x, y: x), steps=steps, verbose=0)
         return np.asarray(out, dtype=np.float32)
-
-    def label(self):
-        """`"policy, stack, compilation"`, for progress lines."""
-        return f"{self.policy}, {self.stack}, {'XLA' if self.jit_compile else 'tf.function'}"

@@ -1,40 +1,24 @@
 """`python -m kmix bench scale`: what kmix's own calls cost at the size of the models users bring.
 
-For each model (keras-hub GPT-2 124M, a GPT-2-medium-sized 355M backbone
-and, with `--large`, a Llama-shaped 836M one; `--quick`: a tiny GPT-2), a
-classifier on the backbone (its sequence output averaged, a `Dense` head);
-with `--lora`, also a Qwen2 causal LM on the 0.5B layout with LoRA (rank 8)
-on next-token labels; each call beside Keras's own equivalent:
-
-| kmix                                  | Keras                                       |
-|---------------------------------------|---------------------------------------------|
-| `kmix.autocast(model, "O1-bfloat16")` | the model built under `mixed_bfloat16`      |
-| `kmix.export(model, dir, sample=x)`   | `model.export(dir)`                         |
-| `kmix.recommend(model, x, y)`         | one float32 `fit` step (compile, one batch) |
-
-Each call runs in a fresh Python process (`--in-process`: all in this one,
-the numbers then mix), which builds the model in float32 first. Its time is
-the call's wall clock; its extra peak memory is the process's peak resident
-set (`VmHWM`, reset through `/proc/self/clear_refs` just before the call)
-over the resident set just before it; what it keeps is the resident set
-once it returned over the one before it (both after `gc.collect()` and
-`malloc_trim`). Both are shown as ratios: time to the
-float32 build of the same model, memory to its float32 weights. The data
-is one batch of `--batch-size` rows of `--seq` token ids.
+Each call (`CALLS`: `kmix.autocast`, `kmix.export`, `kmix.recommend`, beside Keras's own equivalents) runs
+in a fresh process on a keras-hub model built in float32: its seconds against that build's, its extra peak
+resident set and what it keeps (after `gc` and `malloc_trim`) against the float32 weights.
 """
 
 import argparse
 import datetime
-import gc
-import json
 import os
 import platform
-import subprocess
-import sys
 import tempfile
 import time
 
-from kmix._output import format_table, progress
+import keras
+import numpy as np
+
+import kmix
+from kmix.benchmarks.common import (format_table, in_fresh_process, peak_rss, progress, reset_peak_rss, rss,
+                                    settled_rss)
+from kmix.benchmarks.lora import LAYOUTS, lora_lm
 
 MODELS = {  # keras-hub backbone class and arguments
     "tiny": ("GPT2Backbone", dict(vocabulary_size=1000, num_layers=2, num_heads=2, hidden_dim=32,
@@ -45,12 +29,9 @@ MODELS = {  # keras-hub backbone class and arguments
                                        intermediate_dim=4096, max_sequence_length=1024)),
     "llama-836m": ("LlamaBackbone", dict(vocabulary_size=32000, num_layers=16, num_query_heads=32,
                                          num_key_value_heads=4, hidden_dim=2048, intermediate_dim=5632)),
-    # A causal LM with LoRA (rank 8) on Qwen2's 0.5B layout: the fine-tune users bring most.
-    "qwen2-0.5b-lora": ("Qwen2Backbone", dict(vocabulary_size=151936, num_layers=24, num_query_heads=14,
-                                              num_key_value_heads=2, hidden_dim=896, intermediate_dim=4864,
-                                              tie_word_embeddings=True)),
-    "tiny-lora": ("Qwen2Backbone", dict(vocabulary_size=512, num_layers=2, num_query_heads=4, num_key_value_heads=2,
-                                        hidden_dim=64, intermediate_dim=128, tie_word_embeddings=True)),
+    # Causal LMs with LoRA (rank 8), `bench lora`'s: on Qwen2's 0.5B layout, the fine-tune users bring most.
+    "qwen2-0.5b-lora": ("Qwen2Backbone", LAYOUTS["qwen2-0.5b"]),
+    "tiny-lora": ("Qwen2Backbone", LAYOUTS["tiny"]),
 }
 DEFAULT_MODELS = ("gpt2-124m", "gpt2-355m")
 LARGE_MODELS = ("llama-836m",)
@@ -68,18 +49,16 @@ HEADERS = ["model", "call", "by", "seconds", "x build", "extra peak GB", "x weig
 
 def build(name, policy="float32"):
     """The classifier on backbone `name`, built under `policy` (the global policy put back after)."""
-    import keras
     import keras_hub
 
+    if name.endswith("-lora"):
+        return lora_lm(name[:-len("-lora")], policy)
     cls, kwargs = MODELS[name]
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(policy)
     try:
         keras.utils.set_random_seed(0)
         backbone = getattr(keras_hub.models, cls)(**kwargs)
-        if name.endswith("-lora"):
-            backbone.enable_lora(rank=8)
-            return keras_hub.models.Qwen2CausalLM(backbone=backbone, preprocessor=None)
         inputs = {"token_ids": keras.Input((None,), dtype="int32", name="token_ids"),
                   "padding_mask": keras.Input((None,), dtype="int32", name="padding_mask")}
         pooled = keras.layers.GlobalAveragePooling1D()(backbone(inputs))
@@ -91,8 +70,6 @@ def build(name, policy="float32"):
 
 def batch(name, batch_size, seq):
     """One batch `(x, y)`: token ids below the vocabulary, a full padding mask, 4 classes."""
-    import numpy as np
-
     rng = np.random.default_rng(0)
     vocab = MODELS[name][1]["vocabulary_size"]
     ids = rng.integers(1, vocab, (batch_size, seq + 1)).astype("int32")
@@ -104,100 +81,47 @@ def batch(name, batch_size, seq):
 
 def measure(call, name, batch_size, seq, budget_s):
     """Builds model `name` in float32, then times `call` and its extra peak memory; returns a dict."""
-    import keras
-
     x, y = batch(name, batch_size, seq)
-    before_build = _rss()
-    _reset_peak()
+    before_build = rss()
+    reset_peak_rss()
     start = time.perf_counter()
     model = build(name)
-    build_s = time.perf_counter() - start
-    build_peak = _peak() - before_build
+    seconds = build_s = time.perf_counter() - start
+    # The kernel folds the resident-set counters lazily: a few pages of noise, never a peak below the base.
+    extra, kept = max(0, peak_rss() - before_build), None
     weights = sum(int(v.numpy().nbytes) for v in model.weights)
     with tempfile.TemporaryDirectory() as tmp:
         run = _runner(call, model, name, x, y, batch_size, budget_s, tmp)
-        if run is None:  # the build itself
-            seconds, extra, kept = build_s, build_peak, None
-        else:
-            base = _settled_rss()
-            _reset_peak()
+        if run is not None:  # None: the build itself, measured above
+            base = settled_rss()
+            reset_peak_rss()
             start = time.perf_counter()
             run()
-            seconds, extra = time.perf_counter() - start, _peak() - base
-            kept = _settled_rss() - base
+            seconds, extra, kept = time.perf_counter() - start, max(0, peak_rss() - base), settled_rss() - base
     keras.config.set_dtype_policy("float32")
     return {"model": name, "call": call, "seconds": seconds, "build_s": build_s, "extra_bytes": extra,
             "kept_bytes": kept, "weight_bytes": weights, "parameters": model.count_params()}
 
 
-def _settled_rss():
-    """The resident set once Python's garbage and malloc's free pages are returned."""
-    gc.collect()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    return _rss()
-
-
 def _runner(call, model, name, x, y, batch_size, budget_s, tmp):
     """The call to measure, as a function of nothing (None: the build, measured as it happens)."""
-    import keras
-
-    import kmix
-
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    if call == "build":
-        return None
-    if call == "mixed build":
-        return lambda: build(name, "mixed_bfloat16")
-    if call == "autocast":
-        return lambda: kmix.autocast(model, "O1-bfloat16")
-    if call == "model.export":
-        return lambda: model.export(os.path.join(tmp, "keras"), format="tf_saved_model", verbose=False)
-    if call == "export":
-        return lambda: kmix.export(model, os.path.join(tmp, "kmix"), sample=x, verbose=False)
-    model.compile(optimizer="adam", loss=loss)
-    if call == "fit step":
-        return lambda: model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0)
-    if call == "recommend":
-        return lambda: kmix.recommend(model, x, y, batch_size=batch_size, budget_s=budget_s, verbose=False)
-    raise ValueError(f"`call` must be one of {[c for c, _, _ in CALLS]}. Received: call={call!r}")
-
-
-def _rss():
-    return _status("VmRSS")
-
-
-def _peak():
-    return _status("VmHWM")
-
-
-def _status(field):
-    """A field of `/proc/self/status` in bytes (0 where there is none: not Linux)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _reset_peak():
-    """Resets the process's peak resident set to the current one (Linux: `clear_refs` 5)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    if call in ("fit step", "recommend"):
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    runners = {
+        "build": None,
+        "mixed build": lambda: build(name, "mixed_bfloat16"),
+        "autocast": lambda: kmix.autocast(model, "O1-bfloat16"),
+        "model.export": lambda: model.export(os.path.join(tmp, "keras"), format="tf_saved_model", verbose=False),
+        "export": lambda: kmix.export(model, os.path.join(tmp, "kmix"), sample=x, verbose=False),
+        "fit step": lambda: model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0),
+        "recommend": lambda: kmix.recommend(model, x, y, batch_size=batch_size, budget_s=budget_s, verbose=False)}
+    if call not in runners:
+        raise ValueError(f"`call` must be one of {list(runners)}. Received: call={call!r}")
+    return runners[call]
 
 
 def run(models, calls=None, batch_size=4, seq=128, budget_s=30.0, fresh=True, verbose=True):
-    """Measures every call on every model; returns the result dicts (each from a fresh process unless `fresh=False`)."""
+    """Measures every call on every model; returns the result dicts (each from a fresh process with `fresh`)."""
     say = progress if verbose else (lambda message: None)
     results = []
     for name in models:
@@ -210,15 +134,10 @@ def run(models, calls=None, batch_size=4, seq=128, budget_s=30.0, fresh=True, ve
 
 
 def _in_subprocess(spec):
-    code = ("import json\nfrom kmix.benchmarks.scale import measure\n"
-            f"print('RESULT ' + json.dumps(measure(**json.loads({json.dumps(spec)!r}))), flush=True)\n")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    for line in done.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"model": spec["name"], "call": spec["call"], "error": tail[:200]}
+    try:
+        return in_fresh_process("kmix.benchmarks.scale", "measure", spec)
+    except RuntimeError as error:  # the call's own failure (out of memory, ...): its row says so
+        return {"model": spec["name"], "call": spec["call"], "error": str(error).strip().splitlines()[-1][:200]}
 
 
 def rows(results):
@@ -226,15 +145,14 @@ def rows(results):
     who = {c: by for c, by, _ in CALLS}
     table = []
     for r in results:
+        head = [r["model"], r["call"], who.get(r["call"], "")]
         if "error" in r:
-            table.append([r["model"], r["call"], who.get(r["call"], ""), "failed", r["error"], "", "", "", ""])
+            table.append(head + ["failed", r["error"], "", "", "", ""])
             continue
-        kept = r.get("kept_bytes")
-        table.append([r["model"], r["call"], who[r["call"]], f"{r['seconds']:.1f}",
-                      f"{r['seconds'] / max(r['build_s'], 1e-9):.2f}", f"{r['extra_bytes'] / 2**30:.2f}",
-                      f"{r['extra_bytes'] / max(r['weight_bytes'], 1):.2f}",
-                      "" if kept is None else f"{kept / 2**30:+.3f}",
-                      "" if kept is None else f"{kept / max(r['weight_bytes'], 1):+.3f}"])
+        kept, weights = r.get("kept_bytes"), max(r["weight_bytes"], 1)
+        table.append(head + [f"{r['seconds']:.1f}", f"{r['seconds'] / max(r['build_s'], 1e-9):.2f}",
+                             f"{r['extra_bytes'] / 2**30:.2f}", f"{r['extra_bytes'] / weights:.2f}",
+                             *(["", ""] if kept is None else [f"{kept / 2**30:+.3f}", f"{kept / weights:+.3f}"])])
     return table
 
 
@@ -266,7 +184,3 @@ def main(argv=None):
           "resident memory over the model's float32 weights; kept: the resident set after the call returned "
           "(after gc and malloc_trim) over the one before it.")
     return results
-
-
-if __name__ == "__main__":
-    main()

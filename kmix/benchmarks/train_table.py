@@ -1,40 +1,19 @@
-"""`bench train`'s results shown: the table's rows with their ratios, the summary line, and the plot.
+"""`bench train`'s results shown: the rows with their ratios to Keras's default float32 compile, and the plot."""
 
-Every ratio is against Keras's default float32 compile (the first
-`float32` / `keras` row): its step time over the row's, round by round where
-the two ran in the same interleaved rounds. The plot draws each route's
-speed as that ratio, written on its bar, under a title that states the
-result: the recommended route's speed against Keras's float32 default.
-"""
-
+from kmix.benchmarks.common import format_bytes as _bytes
 from kmix.route import timing
 
 
 def format_rows(results):
-    """Table rows, with each row's ratios against the baseline: float32 Keras, default compile.
-
-    The baseline is the first `float32` / `keras` row (the default compile
-    comes first); ratios are its step time (or peak memory) over this row's.
-    """
+    """Table rows; the ratios are the first float32 Keras row's step time (peak memory) over each row's."""
     base = _baseline(results)
     rows = []
     for r in results:
-        speed = speedup(base, r) if base else "n/a"
-        if base and r["peak_bytes"] is not None and base["peak_bytes"]:
-            mem_ratio = r["peak_bytes"] / base["peak_bytes"]
-        else:
-            mem_ratio = "n/a"
-        rows.append([
-            r["policy"],
-            r["stack"],
-            "XLA" if r["jit_compile"] else "tf.function",
-            r["step_seconds"] * 1e3,
-            round(r["tokens_per_second"]),
-            "n/a" if r["tflops"] is None else r["tflops"],
-            _bytes(r["peak_bytes"]),
-            speed,
-            mem_ratio,
-        ])
+        memory = r["peak_bytes"] / base["peak_bytes"] if base and r["peak_bytes"] is not None and base[
+            "peak_bytes"] else "n/a"
+        rows.append([r["policy"], r["stack"], _compiled(r), r["step_seconds"] * 1e3, round(r["tokens_per_second"]),
+                     "n/a" if r["tflops"] is None else r["tflops"], _bytes(r["peak_bytes"]),
+                     speedup(base, r) if base else "n/a", memory])
     return rows
 
 
@@ -47,16 +26,7 @@ def speedup(base, row):
 
 
 def control_line(results):
-    """Whether the float32 Keras route, timed twice (`keras-again`), measured alike; "" without the control.
-
-    The two are the same route built apart: their round-by-round ratio
-    must lie within the noise `kmix.route.timing.paired` reports for it
-    (the distance from the median ratio to the lower bound of its 90%
-    interval, at least 3%). Beyond it, the machine's speed changed under
-    the run (on a shared CPU it does, for stretches of seconds: the same
-    kernel then takes up to 1.5x as long), and the ratios of this run
-    are not to be trusted.
-    """
+    """Whether the float32 Keras route, timed twice (`keras-again`), measured alike; "" without the control."""
     base = _baseline(results)
     again = next((r for r in results if r["stack"] == "keras-again"), None)
     if base is None or again is None or base.get("phase") != again.get("phase") or base.get("phase") is None:
@@ -82,19 +52,8 @@ def summary_line(results):
             f"({row_label(fastest)}) in this table.")
 
 
-def _bytes(n):
-    if n is None:
-        return "n/a"
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 def headline(results):
-    """The plot's title: the recommended route's speed against Keras's float32 default, in one line.
-
-    The route `kmix.recommend(model, ...)` picked where that row exists,
-    else the `recommended` row (the probe's pick); without either, the
-    fastest row.
-    """
+    """The plot's title: the `recommend(model)` row's (else `recommended`'s, else the fastest's) speed, in a line."""
     base = _baseline(results)
     fastest = min(results, key=lambda r: r["step_seconds"])
     row = next((r for r in results if r["stack"] == "recommend(model)"), None)
@@ -127,14 +86,7 @@ def plot(results, path, subtitle=""):
 
 
 def figure(results, subtitle=""):
-    """Each route's speed (and peak memory where known) as a matplotlib figure.
-
-    Horizontal bars, one per route and labelled `policy, stack, compilation`
-    in full; each bar's length is the route's speed against Keras's default
-    float32 compile, written at its end; the baseline is grey and the
-    recommended routes are outlined. The title is `headline(results)`;
-    `subtitle` (the model, the device) goes under it.
-    """
+    """Each route's speed against Keras's default float32 compile (and peak memory where known), one bar each."""
     import matplotlib
 
     matplotlib.use("Agg")

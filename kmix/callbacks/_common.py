@@ -11,10 +11,8 @@ def model_optimizer(model, caller):
     """`model.optimizer`, or a clear error when the model is not compiled."""
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
-        raise ValueError(
-            f"{caller} needs a compiled model; received a model with no optimizer. "
-            "Call `model.compile(optimizer=...)` before `model.fit`."
-        )
+        raise ValueError(f"{caller} needs a compiled model; received a model with no optimizer. "
+                         "Call `model.compile(optimizer=...)` before `model.fit`.")
     return optimizer
 
 
@@ -23,32 +21,17 @@ def loss_scale_optimizer(model, caller):
     optimizer = model_optimizer(model, caller)
     if isinstance(optimizer, LossScaleOptimizer):
         return optimizer
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        hint = (
-            "Keras's own LossScaleOptimizer has no skip counter nor adjustable growth "
-            "interval; compile with `optimizer=kmix.wrap(opt)` instead (a float16 policy "
-            "makes Keras wrap the optimizer by itself)."
-        )
-    else:
-        hint = "Compile with `optimizer=kmix.wrap(opt)`."
-    raise ValueError(
-        f"{caller} needs a kmix.LossScaleOptimizer as the model's optimizer. Received: "
-        f"model.optimizer={type(optimizer).__name__}. {hint}"
-    )
+    hint = ("Keras's own LossScaleOptimizer has no skip counter nor adjustable growth interval; compile with "
+            "`optimizer=kmix.wrap(opt)` instead (a float16 policy makes Keras wrap the optimizer by itself)."
+            if isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+            else "Compile with `optimizer=kmix.wrap(opt)`.")
+    raise ValueError(f"{caller} needs a kmix.LossScaleOptimizer as the model's optimizer. Received: "
+                     f"model.optimizer={type(optimizer).__name__}. {hint}")
 
 
 def build_optimizer(model):
-    """Builds `model.optimizer` on the model's trainable variables if it is not built yet.
-
-    Without a distribution strategy, Keras's TensorFlow trainer builds the
-    optimizer inside the first traced step, i.e. after `on_train_begin`; a
-    callback that must set or copy optimizer state before the first step
-    builds it the way Keras's own symbolic build does. Possible only once the
-    model itself is built (a `keras.Input`, or called on a batch).
-
-    Returns:
-        Whether the optimizer is built now.
-    """
+    """Builds `model.optimizer` on a built model's trainable variables (Keras builds it in the first step,
+    after `on_train_begin`); returns whether it is built now."""
     optimizer = model.optimizer
     if not optimizer.built and model.built:
         optimizer.build(model.trainable_variables)
@@ -90,10 +73,6 @@ def steps_run(optimizer):
 
 
 def retrace(model):
-    """Makes `model.fit` trace its train step again (after a learning-rate object changed).
-
-    A traced step has the old schedule baked in; a variable learning rate is
-    read at run time and needs no retrace.
-    """
+    """Makes `model.fit` trace its train step again: a traced step has the old learning-rate schedule baked in."""
     if getattr(model, "train_function", None) is not None:
         model.make_train_function(force=True)

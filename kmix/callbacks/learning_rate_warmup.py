@@ -10,29 +10,10 @@ from kmix.schedules import Scaled, Warmup
 class LearningRateWarmup(keras.callbacks.Callback):
     """Installs a `kmix.schedules.Warmup` on the model's optimizer when training begins.
 
-    The optimizer's learning rate (of the inner optimizer under a loss-scale
-    optimizer) becomes the warm-up's `base`: a float rate is read once, a
-    schedule is wrapped and keeps running. The warm-up is a schedule of
-    `optimizer.iterations`, computed in the compiled step, so it is exact
-    under `jit_compile=True` and `steps_per_execution > 1`, and a run resumed
-    from a checkpoint (`model.save` / `load_model`, `BackupAndRestore`)
-    continues where it stopped.
-
-    Conventions:
-
-    - A step skipped for an overflow does not advance `iterations`, so it does
-      not advance the warm-up: the warm-up lasts `warmup_steps` *applied*
-      updates.
-    - A rate that is already this warm-up (a resumed or loaded model) is left
-      as it is; a `Warmup` with other settings is replaced, around its base.
-    - The rate becomes a schedule: callbacks that assign a float rate
-      (`ReduceLROnPlateau`, `LearningRateScheduler`) cannot be combined with it.
-      The float rate's variable is no longer an optimizer variable, so a
-      checkpoint written before the warm-up was installed has one optimizer
-      variable more. The callback installs the schedule as soon as `fit`
-      hands it the model, before any `on_train_begin`, so a
-      `BackupAndRestore` anywhere in `callbacks=` restores into the same
-      layout it saved.
+    The optimizer's learning rate (the inner optimizer's under a loss-scale optimizer) becomes the
+    warm-up's `base`: a float is read once, a schedule is wrapped and keeps running. The warm-up follows
+    `optimizer.iterations`, so it counts applied updates (a skipped step does not advance it) and a
+    resumed run continues where it stopped. A rate that is already this warm-up is left as it is.
 
     Args:
         warmup_steps: applied updates the warm-up lasts, an int >= 0.
@@ -46,19 +27,17 @@ class LearningRateWarmup(keras.callbacks.Callback):
 
     >>> model.compile(optimizer=kmix.wrap(keras.optimizers.AdamW(3e-4)), loss="mse")
     >>> model.fit(x, y, callbacks=[kmix.callbacks.LearningRateWarmup(1000)])
-    >>> model.optimizer.inner_optimizer.learning_rate   # 3e-4 from step 1000 on
     """
 
     def __init__(self, warmup_steps, initial=0.0, shape="linear"):
         super().__init__()
         checked = Warmup(1.0, warmup_steps, initial, shape)  # validates, naming the argument
-        self.warmup_steps = checked.warmup_steps
-        self.initial = checked.initial
-        self.shape = checked.shape
+        self.warmup_steps, self.initial, self.shape = checked.warmup_steps, checked.initial, checked.shape
         self.schedule = None
 
     def set_model(self, model):
-        """Keeps the model and installs the warm-up if it is compiled already."""
+        """Keeps the model and installs the warm-up if it is compiled already (before any `on_train_begin`,
+        so that a `BackupAndRestore` anywhere in `callbacks=` restores into the layout it saved)."""
         super().set_model(model)
         if getattr(model, "optimizer", None) is not None:
             self._install()
@@ -71,7 +50,8 @@ class LearningRateWarmup(keras.callbacks.Callback):
         optimizer = _common.model_optimizer(self.model, type(self).__name__)
         current = _common.learning_rate_of(optimizer)
         warmup, factor = _split(current)
-        if warmup is not None and self._matches(warmup):
+        if warmup is not None and (warmup.warmup_steps, warmup.initial, warmup.shape) == (
+                self.warmup_steps, self.initial, self.shape):
             self.schedule = warmup
             return
         if warmup is not None:
@@ -81,23 +61,14 @@ class LearningRateWarmup(keras.callbacks.Callback):
         elif isinstance(current, keras.Variable):
             base = float(_common.read(current))
         else:
-            raise TypeError(
-                f"{type(self).__name__} wraps a float learning rate or a keras.optimizers."
-                "schedules.LearningRateSchedule; received an optimizer whose learning rate is "
-                f"{current!r} (of type {type(current).__name__}). Pass a schedule instead of "
-                "a callable, or use kmix.schedules.Warmup directly."
-            )
+            raise TypeError(f"{type(self).__name__} wraps a float learning rate or a keras.optimizers.schedules."
+                            f"LearningRateSchedule; received an optimizer whose learning rate is {current!r} (of "
+                            f"type {type(current).__name__}). Pass a schedule instead of a callable, or use "
+                            "kmix.schedules.Warmup directly.")
         self.schedule = Warmup(base, self.warmup_steps, self.initial, self.shape)
         new = self.schedule if factor is None else Scaled(self.schedule, factor)
         _common.set_learning_rate(optimizer, new)
         _common.retrace(self.model)
-
-    def _matches(self, warmup):
-        return (warmup.warmup_steps, warmup.initial, warmup.shape) == (
-            self.warmup_steps,
-            self.initial,
-            self.shape,
-        )
 
     def get_config(self):
         """The constructor arguments."""

@@ -12,14 +12,8 @@ from kmix.callbacks import _common
 class LossScaleWarmup(keras.callbacks.Callback):
     """Starts the loss scale low and grows it quickly until it first overflows.
 
-    The usual start, 2^15 halved on every overflow, spends its first steps
-    skipping updates until the scale is small enough. This callback instead
-    sets the scale to `initial_scale` and the optimizer's growth interval to
-    `growth_interval` when a fresh optimizer starts training, so the scale
-    doubles (by the optimizer's `growth_factor`) every `growth_interval`
-    finite steps. At the first overflow, or once `steps` steps have run
-    (applied + skipped), it restores the optimizer's own `growth_interval`:
-    from there the optimizer backs off and grows as configured.
+    On a fresh optimizer it sets the scale to `initial_scale` and the growth interval to `growth_interval`;
+    at the first overflow, or after `steps` steps, it puts the optimizer's own `growth_interval` back:
 
     ```
     on train begin, if the optimizer has run no step:
@@ -29,24 +23,16 @@ class LossScaleWarmup(keras.callbacks.Callback):
             current_growth_interval = optimizer.growth_interval     # done
     ```
 
-    The interval lives in the optimizer variable `current_growth_interval`,
-    which checkpoints save, so a resumed run continues a warm-up in progress
-    and does not start a finished one again. An optimizer that already ran
-    steps before this callback saw it is left alone, as is one with a fixed
-    scale (`dynamic=False`, e.g. `kmix.wrap` under a bfloat16 policy), with
-    a warning. Under `steps_per_execution > 1` the end is noticed after the
-    execution in which it happened.
+    The interval is an optimizer variable, so a resumed run continues a warm-up in progress. An optimizer
+    that already ran steps is left alone, as is one with a fixed scale (with a warning).
 
     Args:
-        initial_scale: the scale to start from, > 0 and within the
-            optimizer's [min_scale, max_scale].
-        growth_interval: finite steps between two growths during the
-            warm-up, an int >= 1.
+        initial_scale: the scale to start from, > 0 and within the optimizer's [min_scale, max_scale].
+        growth_interval: finite steps between two growths during the warm-up, an int >= 1.
         steps: the longest the warm-up lasts, in steps, an int >= 1.
 
     Attributes:
-        finished_at: the training step at which the warm-up ended (`None`
-            while it runs or if it never started).
+        finished_at: the training step at which the warm-up ended (`None` while it runs or if it never started).
 
     Example:
 
@@ -66,27 +52,20 @@ class LossScaleWarmup(keras.callbacks.Callback):
         """Lowers the scale and shortens the interval on a fresh optimizer."""
         optimizer = _common.loss_scale_optimizer(self.model, type(self).__name__)
         if not _common.build_optimizer(self.model):
-            raise ValueError(
-                f"{type(self).__name__} sets the loss scale before the first step, so the model "
-                "must be built before `fit`: start it with `keras.Input(...)` or call it on a "
-                f"batch first. Received: an unbuilt model {self.model.name!r}."
-            )
+            raise ValueError(f"{type(self).__name__} sets the loss scale before the first step, so the model must be "
+                             "built before `fit`: start it with `keras.Input(...)` or call it on a batch first. "
+                             f"Received: an unbuilt model {self.model.name!r}.")
         self._optimizer = optimizer
         self._active = False
         if not optimizer.dynamic:
-            warnings.warn(
-                f"{type(self).__name__} does nothing: the optimizer's loss scale is fixed "
-                f"(dynamic=False, scale {_common.read(optimizer.loss_scale):g}), as kmix.wrap "
-                "makes it under a float32 or bfloat16 policy.",
-                stacklevel=2,
-            )
+            warnings.warn(f"{type(self).__name__} does nothing: the optimizer's loss scale is fixed (dynamic=False, "
+                          f"scale {_common.read(optimizer.loss_scale):g}), as kmix.wrap makes it under a float32 "
+                          "or bfloat16 policy.", stacklevel=2)
             return
         if not optimizer.min_scale <= self.initial_scale <= optimizer.max_scale:
-            raise ValueError(
-                "`initial_scale` must lie within the optimizer's [min_scale, max_scale]. "
-                f"Received: initial_scale={self.initial_scale!r}, with min_scale="
-                f"{optimizer.min_scale!r}, max_scale={optimizer.max_scale!r}."
-            )
+            raise ValueError("`initial_scale` must lie within the optimizer's [min_scale, max_scale]. Received: "
+                             f"initial_scale={self.initial_scale!r}, with min_scale={optimizer.min_scale!r}, "
+                             f"max_scale={optimizer.max_scale!r}.")
         run = _common.steps_run(optimizer)
         if run == 0:
             optimizer.dynamic_scale.assign(self.initial_scale)
@@ -108,12 +87,8 @@ class LossScaleWarmup(keras.callbacks.Callback):
 
     def _in_progress(self, optimizer, run):
         interval = _common.read(optimizer.current_growth_interval)
-        return (
-            interval == self.growth_interval
-            and interval != optimizer.growth_interval
-            and _common.read(optimizer.skipped_steps) == 0
-            and run < self.steps
-        )
+        return (interval == self.growth_interval != optimizer.growth_interval
+                and _common.read(optimizer.skipped_steps) == 0 and run < self.steps)
 
     def _check_end(self):
         optimizer = self._optimizer
@@ -128,11 +103,7 @@ class LossScaleWarmup(keras.callbacks.Callback):
 
     def get_config(self):
         """The constructor arguments."""
-        return {
-            "initial_scale": self.initial_scale,
-            "growth_interval": self.growth_interval,
-            "steps": self.steps,
-        }
+        return {"initial_scale": self.initial_scale, "growth_interval": self.growth_interval, "steps": self.steps}
 
     @classmethod
     def from_config(cls, config):

@@ -14,74 +14,25 @@ from kmix.schedules import Scaled
 
 @keras.saving.register_keras_serializable(package="kmix")
 class NaNGuard(keras.callbacks.Callback):
-    """Restores the last good weights on a non-finite loss, lowers the rate, goes on.
+    """Restores the last good weights on a non-finite loss, lowers the learning rate, and goes on.
 
-    Loss scaling absorbs overflowing *gradients*; a non-finite *loss* (a bad
-    batch, a float32 overflow, weights that already diverged) it cannot
-    always. The guard keeps an in-memory copy of the model's weights and the
-    optimizer's variables, taken when training begins and then every
-    `snapshot_every` steps whose loss was finite.
-
-    When a batch ends with a non-finite loss and the optimizer is a
-    loss-scale optimizer (`kmix.wrap`, or Keras's own) that *skipped* that
-    step, the weights did not move: if they and the optimizer's variables
-    are all finite, the guard does not roll back nor touch the rate. It
-    resets the model's metrics (so the epoch's running loss stays finite)
-    and records the step in `skips`. It rolls back when the loss has been
-    non-finite for `rollback_after_skips` steps in a row (3 by default: the
-    third consecutive one rolls back), since a model whose every batch
-    overflows will not recover by skipping. Otherwise, i.e. when the step
-    was not skipped, or weights or optimizer state are non-finite, it
-
-    1. copies the snapshot back (bit for bit),
-    2. multiplies the learning rate by `lr_factor`,
-    3. resets the model's metrics, so the epoch's running loss restarts
-       without the non-finite value, and training goes on with the next batch.
-
-    After `max_rollbacks` rollbacks the next rollback restores the snapshot
-    one last time and raises a `FloatingPointError` naming the step.
-    Unlike `keras.callbacks.TerminateOnNaN`, at most `snapshot_every` steps of
-    work are lost.
-
-    Details:
-
-    - The learning rate: a float rate is multiplied in place. A schedule
-      becomes `kmix.schedules.Scaled(schedule, lr_factor)` (factors multiply
-      on later rollbacks) and the train step is traced again, once per
-      rollback. A rate given as a plain callable is left unchanged, with a
-      warning. The rate itself is not part of the snapshot, so rollbacks
-      compound: after two, the rate is `lr * lr_factor**2`.
-    - The optimizer's `iterations` go back with the weights (a warm-up
-      schedule follows them). A `kmix.LossScaleOptimizer`'s scale and
-      hysteresis go back too; its counters of skipped steps and overflows
-      do not, since they count what happened.
-    - The loss checked is `logs["loss"]`, which in Keras 3 is the epoch's
-      running mean: a single non-finite batch makes it non-finite, and the
-      metric reset clears it. Under `steps_per_execution > 1` the guard sees
-      the loss after each execution, and an execution counts as skipped when
-      the optimizer skipped at least one of its steps.
-    - Whether a step was skipped is read from the optimizer's counters
-      (`skipped_steps`, or `iterations` for Keras's class), copied on the
-      device before each batch and read on the host only when a loss is
-      non-finite. Checking the weights and the optimizer's variables then
-      copies them to the host: once per non-finite loss.
-    - Snapshots are host copies of every weight: with a large model pick
-      `snapshot_every` so that the copy is cheap next to the steps between.
+    The guard keeps a host copy of the weights and the optimizer's variables, taken when training begins
+    and every `snapshot_every` steps whose loss was finite. On a non-finite `logs["loss"]` it copies the
+    snapshot back, multiplies the learning rate by `lr_factor` (a schedule becomes
+    `kmix.schedules.Scaled`) and resets the metrics; after `max_rollbacks` rollbacks the next one raises
+    a `FloatingPointError`. A step that a loss-scale optimizer skipped, leaving every weight and optimizer
+    variable finite, is only recorded in `skips`, until `rollback_after_skips` come in a row.
 
     Args:
         max_rollbacks: rollbacks allowed before training stops, an int >= 0.
-        lr_factor: what the learning rate is multiplied by on a rollback,
-            in (0, 1].
+        lr_factor: what the learning rate is multiplied by on a rollback, in (0, 1].
         snapshot_every: steps between two snapshots, an int >= 1.
-        rollback_after_skips: consecutive steps with a non-finite loss, each
-            skipped by the optimizer, after which the guard rolls back all
-            the same; an int >= 1 (1: roll back on every non-finite loss).
+        rollback_after_skips: consecutive non-finite losses, each skipped by the optimizer, after which
+            the guard rolls back all the same; an int >= 1 (1: on every non-finite loss).
 
     Attributes:
-        rollbacks: the steps, counted from the start of the last `fit`, at
-            which the guard rolled back.
-        skips: the steps whose non-finite loss the optimizer's skip absorbed
-            (no rollback, rate unchanged).
+        rollbacks: the steps (counted from the start of the last `fit`) at which it rolled back.
+        skips: the steps whose non-finite loss the optimizer's skip absorbed.
 
     Example:
 
@@ -96,65 +47,39 @@ class NaNGuard(keras.callbacks.Callback):
         self.lr_factor = checks.real("lr_factor", lr_factor, low=0.0, high=1.0, low_open=True)
         self.snapshot_every = checks.integer("snapshot_every", snapshot_every)
         self.rollback_after_skips = checks.integer("rollback_after_skips", rollback_after_skips)
-        self.rollbacks = []
-        self.skips = []
+        self.rollbacks, self.skips = [], []
 
-    # ------------------------------------------------------------ snapshots
     def _restored_variables(self):
         """Model weights and optimizer variables, less the rate and the event counters."""
         optimizer = self.model.optimizer
-        excluded = set()
-        lr = _common.learning_rate_of(optimizer) if optimizer is not None else None
-        if isinstance(lr, keras.Variable):
-            excluded.add(id(lr))
+        if optimizer is None:
+            return list(self.model.weights)
+        excluded = [_common.learning_rate_of(optimizer)]
         if isinstance(optimizer, LossScaleOptimizer) and optimizer.built:
-            for v in (optimizer.skipped_steps, optimizer.overflow_counts, optimizer.min_scale_overflows):
-                excluded.add(id(v))
-        variables = list(self.model.weights)
-        if optimizer is not None:
-            variables += [v for v in optimizer.variables if id(v) not in excluded]
-        return variables
+            excluded += [optimizer.skipped_steps, optimizer.overflow_counts, optimizer.min_scale_overflows]
+        return list(self.model.weights) + [v for v in optimizer.variables if all(v is not e for e in excluded)]
 
     def _take_snapshot(self):
         variables = self._restored_variables()
         values = [_common.to_numpy(v) for v in variables]
-        weights = values[: len(self.model.weights)]
-        if not all(np.all(np.isfinite(w)) for w in weights if np.issubdtype(w.dtype, np.floating)):
-            return  # never keep a snapshot that is itself broken
-        self._snapshot = (variables, values)
-        self._snapshot_step = self._step
-        self._steps_since_snapshot = 0
+        if _all_finite(values[: len(self.model.weights)]):  # never keep a snapshot that is itself broken
+            self._snapshot, self._snapshot_step, self._steps_since_snapshot = (variables, values), self._step, 0
 
-    def _restore_snapshot(self):
-        variables, values = self._snapshot
-        for v, value in zip(variables, values):
-            v.assign(value)
-
-    # ------------------------------------------------------------ callbacks
     def on_train_begin(self, logs=None):
         """Takes the first snapshot."""
         _common.model_optimizer(self.model, type(self).__name__)
         # Built now, the optimizer's slots are part of the first snapshot; an unbuilt
         # model has no weights yet, and its first snapshot follows its first good batch.
         built = _common.build_optimizer(self.model)
-        self.rollbacks = []
-        self.skips = []
-        self._nonfinite_in_a_row = 0
-        self._counter_at_begin = None
-        self._step = 0
-        self._begin = 0
-        self._snapshot = None
-        self._snapshot_step = 0
-        self._steps_since_snapshot = 0
-        if not built:
-            self._steps_since_snapshot = self.snapshot_every  # snapshot after the first good batch
-            return
-        self._take_snapshot()
-        if self._snapshot is None:
-            raise FloatingPointError(
-                "NaNGuard found non-finite weights before training began; there is no good "
-                "state to roll back to. Re-initialize or reload the model."
-            )
+        self.rollbacks, self.skips = [], []
+        self._nonfinite_in_a_row = self._step = self._begin = self._snapshot_step = 0
+        self._counter_at_begin = self._snapshot = None
+        self._steps_since_snapshot = 0 if built else self.snapshot_every
+        if built:
+            self._take_snapshot()
+            if self._snapshot is None:
+                raise FloatingPointError("NaNGuard found non-finite weights before training began; there is no "
+                                         "good state to roll back to. Re-initialize or reload the model.")
 
     def on_train_batch_begin(self, batch, logs=None):
         """Remembers where the execution starts, and the optimizer's skip counter."""
@@ -198,10 +123,8 @@ class NaNGuard(keras.callbacks.Callback):
             return False
         change = _common.read(counter) - _common.to_numpy(self._counter_at_begin).item()
         skipped = change if isinstance(self.model.optimizer, LossScaleOptimizer) else steps - change
-        if skipped < 1:
-            return False
-        values = [_common.to_numpy(v) for v in list(self.model.weights) + list(self.model.optimizer.variables)]
-        return all(np.all(np.isfinite(v)) for v in values if np.issubdtype(v.dtype, np.floating))
+        variables = [*self.model.weights, *self.model.optimizer.variables]
+        return skipped >= 1 and _all_finite([_common.to_numpy(v) for v in variables])
 
     def _roll_back(self, batch):
         if self._snapshot is None:
@@ -210,7 +133,8 @@ class NaNGuard(keras.callbacks.Callback):
                 "before NaNGuard had a snapshot to roll back to (the model was built by its "
                 "first step). Build the model before `fit` (keras.Input) to guard from step 1."
             )
-        self._restore_snapshot()
+        for v, value in zip(*self._snapshot):
+            v.assign(value)
         if len(self.rollbacks) >= self.max_rollbacks:
             self.model.stop_training = True
             raise FloatingPointError(
@@ -233,25 +157,22 @@ class NaNGuard(keras.callbacks.Callback):
             _common.set_learning_rate(optimizer, Scaled.scale(lr, self.lr_factor))
             _common.retrace(self.model)
         else:
-            warnings.warn(
-                f"NaNGuard cannot scale a learning rate given as a callable ({lr!r}); it is "
-                "left unchanged. Use a float or a LearningRateSchedule.",
-                stacklevel=2,
-            )
+            warnings.warn(f"NaNGuard cannot scale a learning rate given as a callable ({lr!r}); it is left "
+                          "unchanged. Use a float or a LearningRateSchedule.", stacklevel=2)
 
     def get_config(self):
         """The constructor arguments."""
-        return {
-            "max_rollbacks": self.max_rollbacks,
-            "lr_factor": self.lr_factor,
-            "snapshot_every": self.snapshot_every,
-            "rollback_after_skips": self.rollback_after_skips,
-        }
+        return {"max_rollbacks": self.max_rollbacks, "lr_factor": self.lr_factor,
+                "snapshot_every": self.snapshot_every, "rollback_after_skips": self.rollback_after_skips}
 
     @classmethod
     def from_config(cls, config):
         """Re-creates the callback from `get_config()`."""
         return cls(**config)
+
+
+def _all_finite(values):
+    return all(np.all(np.isfinite(v)) for v in values if np.issubdtype(v.dtype, np.floating))
 
 
 def _finite(value):

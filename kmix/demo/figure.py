@@ -1,8 +1,9 @@
-"""The demo's figure: every run's loss per step, and both mixed runs' loss scales, under a title that states the result."""
+"""The demo's figure: every run's loss per step and both mixed runs' loss scales, under a title stating the result."""
 
 import numpy as np
 
 from kmix.demo.report import headline
+
 
 def plot_results(results, policy, path):
     """Saves `figure(results, policy)` as a PNG at `path`; returns `path`."""
@@ -15,23 +16,13 @@ def plot_results(results, policy, path):
 
 
 def figure(results, policy):
-    """The demo's matplotlib figure: per-step losses and both mixed runs' loss scales.
-
-    Three panels: the training loss of every run (a run that is NaN throughout
-    appears as a marker at its first NaN step, not as a legend entry with no
-    line); kmix's loss scale on a log2 axis fitted to its own range, with the
-    skipped steps marked; the naive run's scale (Keras's LossScaleOptimizer)
-    on a log axis that reaches down as far as it falls. The title states the
-    conclusion.
-    """
+    """The demo's matplotlib figure: every run's loss per step, kmix's loss scale and the naive run's (Keras's)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_ours, ax_naive) = plt.subplots(
-        1, 3, figsize=(15, 4.8), gridspec_kw={"width_ratios": [1.4, 1, 1]}
-    )
+    fig, (ax_loss, ax_ours, ax_naive) = plt.subplots(1, 3, figsize=(15, 4.8), gridspec_kw={"width_ratios": [1.4, 1, 1]})
     labels = {"float32": "float32", "naive": f"{policy}, -1e9 mask", "kmix": f"{policy}, kmix"}
     colors = {"float32": "tab:blue", "naive": "tab:red", "kmix": "tab:green"}
     finite_losses = []
@@ -53,7 +44,6 @@ def figure(results, policy):
         ax_loss.set_ylim(0, max(v.max() for v in finite_losses) * 1.15)  # room for the legend
     ax_loss.set(title="training loss per step", xlabel="step", ylabel="loss")
     ax_loss.legend(fontsize=8, loc="upper right")
-
     _plot_kmix_scale(ax_ours, results["kmix"], colors["kmix"], labels["kmix"])
     _plot_naive_scale(ax_naive, results["naive"], colors["naive"], labels["naive"])
     fig.suptitle(headline(results, policy), fontsize=12, fontweight="bold")
@@ -90,9 +80,8 @@ def _plot_naive_scale(ax, r, color, label):
     ax.plot(steps, np.where(scales > 0, scales, np.nan), color=color, label=label)
     ax.set_yscale("log")
     ax.set_xlim(0, len(scales) + 1)
-    note = f"{r['skipped_steps']} of {len(scales)} steps skipped"
-    if r["skipped_steps"] == len(scales):
-        note += ",\nthe scale halved on each"
+    note = f"{r['skipped_steps']} of {len(scales)} steps skipped" + (
+        ",\nthe scale halved on each" if r["skipped_steps"] == len(scales) else "")
     if (scales <= 0).any():
         zero = int(np.argmax(scales <= 0)) + 1
         ax.axvline(zero, color=color, linestyle=":", label=f"scale 0 (below float32's range) from step {zero}")

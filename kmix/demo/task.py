@@ -1,11 +1,4 @@
-"""The demo's task: padded token sequences, and the small transformer encoder that classifies them.
-
-The label of a sequence is the marker token that occurs most often; padding
-(token 0) fills the rest, and only the masks keep it out of attention and
-pooling. The encoder's attention softmax is either the mask users write by
-hand, `scores + (1 - mask) * -1e9` (NaN in float16: `-1e9` is `-inf` there
-and `0 * -inf` is NaN), or `kmix.layers.MaskedSoftmax` with the boolean mask.
-"""
+"""The demo's task: padded token sequences labelled by their most frequent marker, and an encoder to classify them."""
 
 import math
 
@@ -19,17 +12,12 @@ CLASSES = 6
 MAX_LEN = 64
 MIN_LEN = 6
 
-def make_data(n, seed):
-    """`n` padded sequences and their labels: which marker token occurs most often.
 
-    Each sequence has a length in [MIN_LEN, MAX_LEN] and random distractor
-    tokens; every marker occurs zero or one time, except the label's, which
-    occurs once more than the most frequent other marker, so the label is
-    always a strict majority. Padding (token 0) fills the rest, and the model
-    must ignore it: only the masks keep it out of attention and pooling.
+def make_data(n, seed):
+    """`n` padded sequences and their labels: the marker token that occurs most often (a strict majority).
 
     Returns:
-        `(tokens, labels)`: int32 arrays of shapes `(n, MAX_LEN)` and `(n,)`.
+        `(tokens, labels)`: int32 arrays of shapes `(n, MAX_LEN)` and `(n,)`; token 0 pads.
     """
     rng = np.random.default_rng(seed)
     tokens = np.zeros((n, MAX_LEN), np.int32)
@@ -46,17 +34,12 @@ def make_data(n, seed):
 
 
 def build_model(softmax, d_model=64, heads=4, layers=2, seed=0):
-    """The encoder classifier under the current Keras dtype policy.
+    """The uncompiled encoder classifier (token ids to float32 class probabilities) under the current policy.
 
     Args:
-        softmax: `"naive"` for the hand-written additive `-1e9` mask,
-            `"kmix"` for `kmix.layers.MaskedSoftmax` with the boolean mask.
+        softmax: `"naive"` for the hand-written `-1e9` mask, `"kmix"` for `kmix.layers.MaskedSoftmax`.
         d_model, heads, layers: the encoder's width, heads and depth.
         seed: the initial weights' seed (the same for every run).
-
-    Returns:
-        An uncompiled functional `keras.Model` from token ids to class
-        probabilities (float32).
     """
     keras.utils.set_random_seed(seed)
     tokens = keras.Input((MAX_LEN,), dtype="int32", name="tokens")

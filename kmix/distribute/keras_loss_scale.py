@@ -1,20 +1,9 @@
 """Keras's own `LossScaleOptimizer` under a strategy: one overflow decision for all replicas.
 
-Keras 3.15's `LossScaleOptimizer.apply` (TensorFlow backend) decides whether a
-step is finite in a merge call, from the gradients of the *first local
-replica only* (its comment assumes the gradients are already all-reduced; in
-Keras 3 they are not: the inner optimizer reduces them later). So:
-
-- under `MirroredStrategy`, an inf on replica 1 alone is not seen: the step is
-  applied and the summed inf reaches the weights;
-- under `MultiWorkerMirroredStrategy`, the worker with the inf skips and the
-  other applies, entering the gradient all-reduce alone: both hang.
-
-The wrapper below all-reduces a "some gradient is non-finite" flag over every
-replica first and, if any replica overflowed, makes every replica's gradients
-non-finite, so Keras's own code takes the same (skip) branch everywhere.
-Finite steps pass through unchanged (`tf.where` keeps every bit). kmix's own
-`LossScaleOptimizer` overrides `apply` and all-reduces its flags itself.
+Keras 3.15 decides a step is finite from the first local replica's gradients only: under `MirroredStrategy`
+an inf elsewhere reaches the weights, and under `MultiWorkerMirroredStrategy` the workers part ways and hang.
+The wrapped `apply` all-reduces a "non-finite" flag and, where any replica overflowed, makes every replica's
+gradients non-finite, so every replica skips; finite steps pass unchanged.
 """
 
 import keras

@@ -1,19 +1,9 @@
 """`steps_per_execution > 1` under a `tf.distribute` strategy (keras-team/keras#19246).
 
-Keras 3.15 runs the steps of one execution in a `tf.while_loop` and each step
-inside a `tf.cond` (run it if the data has a next batch). A collective
-all-reduce inside that `tf.cond` fails: "You must feed a value for placeholder
-tensor '.../while/cond/Placeholder'", kmix or not, with a plain `Adam` too.
-`MultiWorkerMirroredStrategy` always all-reduces with collectives, and so does
-`MirroredStrategy` by default on CPUs.
-
-The loop below never needs that `tf.cond`: its condition already asks whether
-the next batch exists (and whether steps remain), so its body runs the step
-unconditionally and only fetches the next batch in a `tf.cond`. Each step is
-the same `strategy.run` + `reduce_per_replica` as Keras's, so the weights,
-logs and callbacks are those of `steps_per_execution` separate steps.
-Everything else (no strategy, `steps_per_execution=1`, `run_eagerly`, Python
-iterators, `predict`, which has no loop) stays Keras's.
+Keras 3.15 runs each step of an execution inside a `tf.cond`, where a collective all-reduce fails
+("You must feed a value for placeholder tensor"). The loop below asks in its condition whether the next
+batch exists, so its body runs the step unconditionally; each step is Keras's `strategy.run` and
+`reduce_per_replica`. Everything else (no strategy, one step per execution, eager, `predict`) is Keras's.
 """
 
 import logging
@@ -30,19 +20,11 @@ _warned_unrolled = []
 def log_if_keras_fixed(part, bug, issue):
     """Logs (WARNING) that Keras's `part` stays in place because `bug` is False (fixed) or None (unknown)."""
     if bug is False:
-        _log.warning(
-            "kmix.distribute.enable_multi_worker_fit: the installed Keras no longer has the %s bug "
-            "of %s; kmix leaves Keras's own code in place.",
-            part,
-            issue,
-        )
+        _log.warning("kmix.distribute.enable_multi_worker_fit: the installed Keras no longer has the %s bug of %s; "
+                     "kmix leaves Keras's own code in place.", part, issue)
     elif bug is None:
-        _log.warning(
-            "kmix.distribute.enable_multi_worker_fit: Keras's %s has changed so that kmix cannot "
-            "tell whether %s is fixed; kmix leaves Keras's own code in place.",
-            part,
-            issue,
-        )
+        _log.warning("kmix.distribute.enable_multi_worker_fit: Keras's %s has changed so that kmix cannot tell "
+                     "whether %s is fixed; kmix leaves Keras's own code in place.", part, issue)
 
 
 def _keras_still_has_bug(keras_make_function):
@@ -59,11 +41,8 @@ def _multi_step_function(model, step_function):
     strategy = model.distribute_strategy
     if model.unrolled_steps_per_execution > 1 and not _warned_unrolled:
         _warned_unrolled.append(True)
-        _log.warning(
-            "kmix: unrolled_steps_per_execution=%d is not applied under a tf.distribute "
-            "strategy; the steps run one per loop iteration.",
-            model.unrolled_steps_per_execution,
-        )
+        _log.warning("kmix: unrolled_steps_per_execution=%d is not applied under a tf.distribute strategy; the "
+                     "steps run one per loop iteration.", model.unrolled_steps_per_execution)
 
     def one_step_on_data(data):
         outputs = strategy.run(step_function, args=(data,))
@@ -84,16 +63,10 @@ def _multi_step_function(model, step_function):
         def body(step, outputs, next_inputs):
             outputs = tf.experimental.Optional.from_value(one_step_on_data(next_inputs.get_value()))
             _compat.set_optional_spec(empty_outputs, outputs.element_spec)
-            next_inputs = tf.cond(
-                tf.less(step + 1, steps),
-                iterator.get_next_as_optional,
-                lambda: next_inputs,
-            )
+            next_inputs = tf.cond(tf.less(step + 1, steps), iterator.get_next_as_optional, lambda: next_inputs)
             return step + 1, outputs, next_inputs
 
-        _, outputs, _ = tf.while_loop(
-            cond, body, loop_vars=[tf.constant(0), empty_outputs, iterator.get_next_as_optional()]
-        )
+        _, outputs, _ = tf.while_loop(cond, body, [tf.constant(0), empty_outputs, iterator.get_next_as_optional()])
         _compat.set_optional_spec(outputs, empty_outputs.element_spec)
         return outputs
 
@@ -105,12 +78,8 @@ def make_function_replacement(keras_make_function):
 
     def _make_function(self, step_function):
         keras_function = keras_make_function(self, step_function)
-        if (
-            self.steps_per_execution == 1
-            or self.run_eagerly
-            or _compat.model_distribute_strategy(self) is None
-            or not _keras_still_has_bug(keras_make_function)
-        ):
+        if (self.steps_per_execution == 1 or self.run_eagerly or _compat.model_distribute_strategy(self) is None
+                or not _keras_still_has_bug(keras_make_function)):
             return keras_function
         multi_step_on_iterator = _multi_step_function(self, step_function)
 

@@ -1,20 +1,9 @@
-"""`model.fit`, `evaluate` and `predict` under `tf.distribute.MultiWorkerMirroredStrategy`.
+"""`model.fit`, `evaluate` and `predict` under `tf.distribute.MultiWorkerMirroredStrategy` (keras-team/keras#20585).
 
-Keras 3.15's TensorFlow trainer fails under that strategy (keras-team/keras#20585):
-
-1. Before the first step, `_maybe_symbolic_build` reduces one whole distributed
-   batch with `strategy.reduce("MEAN", (x, y), axis=None)` to learn its shapes.
-   `MultiWorkerMirroredStrategy.reduce` does not map over nested structures:
-   "Attempt to convert a value (PerReplica...) ... to a Tensor".
-2. After each train or test step, `reduce_per_replica` reduces the scalar loss
-   and metrics with `strategy.reduce("MEAN", v, axis=0)`: "Invalid reduction
-   dimension 0 for input with 0 dimensions".
-
-The replacements do what is needed and nothing more: the build takes each
-value's local component (shapes only, no collective), and a step's results
-are averaged over replicas elementwise (`axis=None`, one all-reduce each),
-which is what Keras computes under `MirroredStrategy`. Everything else
-(`predict`'s gather, other strategies, no strategy) goes to Keras's own code.
+Keras 3.15's trainer reduces a whole distributed batch to learn its shapes before the first step, and
+reduces each step's scalar logs with `axis=0`; both fail under that strategy. The replacements read the
+shapes from the local replica and average a step's results over replicas elementwise (`axis=None`), as
+Keras does under `MirroredStrategy`; everything else goes to Keras's own code.
 """
 
 import logging
@@ -41,12 +30,9 @@ def _make_symbolic_build(keras_symbolic_build):
         # the shapes matter, so this replica's own component is enough.
         for _, _, it in iterator:
             batch = next(it)
+            local = lambda v: strategy.experimental_local_results(v)[0]  # noqa: E731
             data_batch = tf.nest.map_structure(
-                lambda v: strategy.experimental_local_results(v)[0]
-                if isinstance(v, tf.distribute.DistributedValues)
-                else v,
-                batch,
-            )
+                lambda v: local(v) if isinstance(v, tf.distribute.DistributedValues) else v, batch)
             break
         return keras_symbolic_build(self, iterator=None, data_batch=data_batch)
 
@@ -73,37 +59,18 @@ def _make_reduce_per_replica(keras_reduce_per_replica):
 def enable_multi_worker_fit():
     """Lets `model.fit`, `evaluate` and `predict` run under `MultiWorkerMirroredStrategy`.
 
-    Keras 3.15's TensorFlow trainer fails under that strategy before the first
-    step (keras-team/keras#20585). This replaces the two trainer functions at
-    fault, for every model, with versions that differ only under
-    `tf.distribute.MultiWorkerMirroredStrategy`: the first batch's shapes are
-    read from the local replica, and the loss and metrics of a step are
-    averaged over all replicas, as under `MirroredStrategy`. It also makes
-    Keras's own `keras.optimizers.LossScaleOptimizer` (and subclasses that
-    keep its `apply`) skip a step when *any* replica overflowed: Keras decides
-    on the first local replica's gradients, so under several workers one
-    worker skipped while the other waited in the gradient all-reduce.
-    kmix's own optimizer needs nothing. Under any strategy,
-    `MirroredStrategy` included, it also lets `compile(steps_per_execution=n)`
-    with n > 1 run (keras-team/keras#19246): Keras runs each step of an
-    execution inside a `tf.cond`, where a collective all-reduce fails; kmix's
-    loop runs the same steps without one. Call it once per worker process,
-    before `fit`, in any order with creating the strategy; calling it again
-    does nothing.
-
-    Before replacing anything it runs Keras's two trainer functions on
-    stand-ins (no cluster, no tensor); the multi-step loop is probed the same
-    way the first time a model under a strategy asks for one (tracing needs
-    TensorFlow's runtime). Where the installed Keras no longer has a bug,
-    Keras's own function stays and a log line (logger `"kmix"`, WARNING)
-    says so.
+    Replaces, for every model, the two Keras trainer functions that fail under that strategy
+    (keras-team/keras#20585), the multi-step loop that fails under any strategy with
+    `steps_per_execution > 1` (keras-team/keras#19246), and makes Keras's own `LossScaleOptimizer` skip a
+    step when any replica overflowed. Each is first checked against the installed Keras: where the bug is
+    gone, Keras's code stays and a WARNING (logger `"kmix"`) says so. Call it once per worker, before
+    `fit`; calling it again does nothing.
 
     Returns:
         True once kmix's replacements are installed (this call or an earlier one).
 
     Example:
 
-    >>> import kmix, keras, tensorflow as tf
     >>> kmix.distribute.enable_multi_worker_fit()
     >>> strategy = tf.distribute.MultiWorkerMirroredStrategy()   # TF_CONFIG names the workers
     >>> with strategy.scope():
@@ -135,9 +102,7 @@ def enable_multi_worker_fit():
 
 
 def disable_multi_worker_fit():
-    """Puts Keras's own trainer functions (the multi-step loop too) and `LossScaleOptimizer.apply` back.
-
-    Undoes `enable_multi_worker_fit`.
+    """Undoes `enable_multi_worker_fit`: Keras's own trainer functions and `LossScaleOptimizer.apply` back.
 
     Returns:
         True if something was put back, False if nothing was installed.

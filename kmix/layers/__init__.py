@@ -3,9 +3,8 @@
     probs = kmix.layers.MaskedSoftmax()(scores, mask=padding_mask)
     attention = kmix.layers.MultiHeadAttention(num_heads=4, key_dim=32)
 
-A `.keras` file from `model.save` holding them loads after `import kmix`
-(Keras finds registered classes only once their package is imported);
-`kmix.export(model, "model.keras")` writes one that loads without kmix.
+A `.keras` file holding them loads after `import kmix`; `kmix.export(model, "model.keras")` writes one that
+loads without kmix.
 """
 
 from kmix.layers.multi_head_attention import MultiHeadAttention
@@ -13,10 +12,4 @@ from kmix.layers.remat import Remat
 from kmix.layers.softmax import MaskedSoftmax, Softmax
 from kmix.layers.with_policy import WithPolicy
 
-__all__ = [
-    "MaskedSoftmax",
-    "MultiHeadAttention",
-    "Remat",
-    "Softmax",
-    "WithPolicy",
-]
+__all__ = ["MaskedSoftmax", "MultiHeadAttention", "Remat", "Softmax", "WithPolicy"]

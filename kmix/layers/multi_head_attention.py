@@ -1,12 +1,8 @@
 """`keras.layers.MultiHeadAttention` whose attention softmax is always float32 and masked.
 
-Keras computes attention on one of two paths: without dropout and without
-`return_attention_scores` it calls the fused `keras.ops.dot_product_attention`
-(which fills masked scores with a large negative, so a fully masked row comes
-out uniform over padding); otherwise it runs einsum, its `Softmax` layer in the
-compute dtype, dropout and einsum. This subclass replaces both with the
-explicit path around `kmix.ops.masked_softmax`, through the protected
-`_compute_attention` / `_masked_softmax` hooks Keras documents for overriding.
+Both of Keras's attention paths (the fused `dot_product_attention` and einsum + `Softmax`) are replaced by
+the explicit one around `kmix.ops.masked_softmax`, through the `_compute_attention` / `_masked_softmax` hooks
+Keras documents for overriding.
 """
 
 import keras
@@ -22,35 +18,22 @@ _NAMES = {"mask": "attention_mask", "bias": "attention_bias"}
 class MultiHeadAttention(keras.layers.MultiHeadAttention):
     """Drop-in `keras.layers.MultiHeadAttention` with a float32 masked softmax.
 
-    Same constructor, weights and call as Keras's layer, plus an optional
-    additive `attention_bias`. The attention probabilities are computed in
-    float32 on every path (and cast back to the compute dtype for the value
-    product); masked positions get exactly 0, a query whose every key is
-    masked attends to nothing (zeros) instead of spreading over padding, and
-    gradients stay finite. TensorFlow has no flash-attention kernel, so
-    `flash_attention` only keeps Keras's argument checks.
+    Same constructor, weights and call as Keras's layer, plus an optional additive `attention_bias`. The
+    probabilities are float32 on every path; masked positions get exactly 0 and a query whose every key is
+    masked attends to nothing (zeros). `flash_attention` only keeps Keras's argument checks.
 
     Args:
         num_heads: number of attention heads.
         key_dim: size of each head for query and key.
-        **kwargs: every other argument of `keras.layers.MultiHeadAttention`
-            (`value_dim`, `dropout`, `attention_axes`, `name`, `dtype`, ...).
+        **kwargs: every other argument of `keras.layers.MultiHeadAttention`.
 
     Call arguments:
-        query, value, key, query_mask, value_mask, key_mask, attention_mask,
-        return_attention_scores, training, use_causal_mask: as Keras.
-            `attention_mask` keeps where True (torch's `key_padding_mask` /
-            boolean `attn_mask` are the opposite: pass their logical_not). A
-            numeric `attention_mask` must hold values in [0, 1]: an additive
-            0 / -1e9 mask given there raises a `ValueError` (eagerly; see
-            `kmix.ops.masked_softmax` for graph mode and XLA) pointing to
-            `attention_bias`, where Keras's own layer silently inverts it.
-        attention_bias: optional additive float bias, shaped like
-            `attention_mask` (`(B, T, S)`) or with the heads axis
-            (`(B, N, T, S)`), broadcastable: 0 keeps, values <= -1e3 (-1e4,
-            -1e9, `finfo.min`, `-inf`) mask. Combines with every mask. A
-            rank-2 mask or bias is a `(B, S)` key mask or a `(T, S)` one
-            shared over the batch; one that could be either is refused.
+        query, value, key, query_mask, value_mask, key_mask, attention_mask, return_attention_scores,
+        training, use_causal_mask: as Keras. `attention_mask` keeps where True; a numeric one must hold
+            values in [0, 1] (an additive 0 / -1e9 mask there raises a `ValueError` naming `attention_bias`).
+        attention_bias: optional additive float bias, `(B, T, S)` or `(B, N, T, S)`, broadcastable: 0 keeps,
+            values <= -1e3 mask. A rank-2 mask or bias is a `(B, S)` key mask or a `(T, S)` one shared over
+            the batch; one that could be either is refused.
 
     Returns:
         The attention output `(B, T, dim)`, and with
@@ -65,37 +48,21 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         TensorShape([2, 5, 16])
     """
 
-    def call(
-        self,
-        query,
-        value,
-        key=None,
-        query_mask=None,
-        value_mask=None,
-        key_mask=None,
-        attention_mask=None,
-        return_attention_scores=False,
-        training=None,
-        use_causal_mask=False,
-        attention_bias=None,
-    ):
+    def call(self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None, attention_mask=None,
+             return_attention_scores=False, training=None, use_causal_mask=False, attention_bias=None):
         if attention_bias is not None:
             attention_bias = ops.convert_to_tensor(attention_bias)
             bias_dtype = keras.backend.standardize_dtype(attention_bias.dtype)
             if not keras.backend.is_float_dtype(bias_dtype):
-                raise TypeError(
-                    f"Received: attention_bias.dtype={bias_dtype}; expected a "
-                    "float dtype (0 keeps, large negatives mask). Pass a boolean "
-                    "mask as `attention_mask`."
-                )
+                raise TypeError(f"Received: attention_bias.dtype={bias_dtype}; expected a float dtype (0 keeps, large "
+                                "negatives mask). Pass a boolean mask as `attention_mask`.")
         in_range = None
         if attention_mask is not None and len(query.shape) == 3 and len(attention_mask.shape) < 3:
             # Keras combines `attention_mask` with the causal and padding masks as NumPy
             # broadcasts, before `_masked_softmax`: read a rank-2 mask by kmix's rule first.
             scores = (query.shape[0], query.shape[1], (value if key is None else key).shape[1])
-            attention_mask = align_to_logits(
-                ops.convert_to_tensor(attention_mask), scores, "attention_mask", "attention_scores[:, 0]"
-            )
+            attention_mask = align_to_logits(ops.convert_to_tensor(attention_mask), scores, "attention_mask",
+                                             "attention_scores[:, 0]")
         if attention_mask is not None:
             # Keras casts `attention_mask` to bool (non-zero keeps), which would turn an
             # additive 0 / -1e9 bias given here into its inverse: check it first.
@@ -107,56 +74,30 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         # In a graph, the mask's in-range flag: NaN probabilities where XLA drops the assertion.
         object.__setattr__(self, "_kmix_mask_in_range", in_range)
         try:
-            return super().call(
-                query,
-                value,
-                key=key,
-                query_mask=query_mask,
-                value_mask=value_mask,
-                key_mask=key_mask,
-                attention_mask=attention_mask,
-                return_attention_scores=return_attention_scores,
-                training=training,
-                use_causal_mask=use_causal_mask,
-            )
+            return super().call(query, value, key=key, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
+                                attention_mask=attention_mask, return_attention_scores=return_attention_scores,
+                                training=training, use_causal_mask=use_causal_mask)
         finally:
             object.__setattr__(self, "_kmix_attention_bias", None)
             object.__setattr__(self, "_kmix_mask_in_range", None)
 
-    def _compute_attention(
-        self,
-        query,
-        key,
-        value,
-        attention_mask=None,
-        training=None,
-        return_attention_scores=False,
-        use_causal_mask=False,
-    ):
+    def _compute_attention(self, query, key, value, attention_mask=None, training=None, return_attention_scores=False,
+                           use_causal_mask=False):
         if self._flash_attention and return_attention_scores:
-            raise ValueError(
-                "Returning attention scores is not supported when flash "
-                "attention is enabled. Please disable flash attention to access"
-                " attention scores."
-            )
+            raise ValueError("Returning attention scores is not supported when flash attention is enabled. Please "
+                             "disable flash attention to access attention scores.")
         # Keras's `call` folds a causal mask into `attention_mask` for a
         # subclass that overrides this method; honour the flag if it comes.
         if use_causal_mask:
             causal_mask = self._compute_causal_mask(query, value)
-            attention_mask = (
-                causal_mask
-                if attention_mask is None
-                else ops.logical_and(ops.cast(attention_mask, "bool"), causal_mask)
-            )
+            attention_mask = (causal_mask if attention_mask is None
+                              else ops.logical_and(ops.cast(attention_mask, "bool"), causal_mask))
         query = ops.multiply(query, ops.cast(self._inverse_sqrt_key_dim, query.dtype))
         attention_scores = ops.einsum(self._dot_product_equation, key, query)
         attention_scores = self._masked_softmax(attention_scores, attention_mask)
-        if self._dropout > 0.0:
-            final_attn_scores = self._dropout_layer(attention_scores, training=training)
-        else:
-            final_attn_scores = attention_scores
-        attention_output = ops.einsum(self._combine_equation, final_attn_scores, value)
-        return attention_output, attention_scores
+        final_attn_scores = (self._dropout_layer(attention_scores, training=training) if self._dropout > 0.0
+                             else attention_scores)
+        return ops.einsum(self._combine_equation, final_attn_scores, value), attention_scores
 
     def _masked_softmax(self, attention_scores, attention_mask=None):
         rank = len(attention_scores.shape)
@@ -170,62 +111,28 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         if bias is not None:
             shown_shape = bias.shape
             bias = _to_scores_rank(bias, attention_scores.shape, expansion_axis, _NAMES["bias"])
-            check_broadcastable(
-                bias.shape, attention_scores.shape, "attention_bias",
-                "attention_scores", shown_shape=shown_shape,
-            )
-        probs = _masked_softmax(
-            attention_scores,
-            attention_mask,
-            bias,
-            tuple(range(rank - num_axes, rank)),
-            attention_scores.dtype,
-            log=False,
-            names={"logits": "attention_scores", **_NAMES},
-            # Scores in bfloat16 or float32 cannot overflow to -inf; float16 ones can.
-            infinite_logits=attention_scores.dtype == "float16",
-        )
+            check_broadcastable(bias.shape, attention_scores.shape, "attention_bias", "attention_scores",
+                                shown_shape=shown_shape)
+        # Scores in bfloat16 or float32 cannot overflow to -inf; float16 ones can.
+        probs = _masked_softmax(attention_scores, attention_mask, bias, tuple(range(rank - num_axes, rank)),
+                                attention_scores.dtype, log=False, names={"logits": "attention_scores", **_NAMES},
+                                infinite_logits=attention_scores.dtype == "float16")
         in_range = getattr(self, "_kmix_mask_in_range", None)
         if in_range is not None:
             probs = ops.where(in_range, probs, ops.full((), float("nan"), probs.dtype))
         return probs
 
-    def compute_output_spec(
-        self,
-        query,
-        value,
-        key=None,
-        query_mask=None,
-        value_mask=None,
-        key_mask=None,
-        attention_mask=None,
-        return_attention_scores=False,
-        training=None,
-        use_causal_mask=False,
-        attention_bias=None,
-    ):
-        return super().compute_output_spec(
-            query,
-            value,
-            key=key,
-            query_mask=query_mask,
-            value_mask=value_mask,
-            key_mask=key_mask,
-            attention_mask=attention_mask,
-            return_attention_scores=return_attention_scores,
-            training=training,
-            use_causal_mask=use_causal_mask,
-        )
+    def compute_output_spec(self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None,
+                            attention_mask=None, return_attention_scores=False, training=None, use_causal_mask=False,
+                            attention_bias=None):
+        return super().compute_output_spec(query, value, key=key, query_mask=query_mask, value_mask=value_mask,
+                                           key_mask=key_mask, attention_mask=attention_mask,
+                                           return_attention_scores=return_attention_scores, training=training,
+                                           use_causal_mask=use_causal_mask)
 
 
 def _to_scores_rank(tensor, scores_shape, axis, name):
-    """A mask or bias with the scores' rank: Keras's `(B, T, S)` gets the heads axis at `axis`.
-
-    One of lower rank is first aligned to `(B, T, S)` by the rule of
-    `kmix.ops.arguments.align_to_logits` (a `(B, S)` key mask is
-    `(B, 1, S)`, a `(T, S)` one is shared over the batch, one that could
-    be either is refused), then gets the heads axis.
-    """
+    """A mask or bias with the scores' rank: aligned to `(B, T, S)` (`align_to_logits`), then heads at `axis`."""
     rank = len(scores_shape)
     if len(tensor.shape) < rank - 1:
         heads = rank + axis
@@ -237,10 +144,7 @@ def _to_scores_rank(tensor, scores_shape, axis, name):
 
 
 def _expand_to_rank(tensor, rank, axis):
-    """Inserts size-1 axes at `axis` (Keras's heads axis) until `tensor` has `rank`.
-
-    A tensor too short for `axis` gets them in front instead, as broadcasting does.
-    """
+    """Inserts size-1 axes at `axis` (Keras's heads axis; in front where too short) until `tensor` has `rank`."""
     for _ in range(rank - len(tensor.shape)):
         tensor = ops.expand_dims(tensor, axis=axis if len(tensor.shape) + 1 >= -axis else 0)
     return tensor

@@ -1,28 +1,9 @@
-"""`kmix.layers.Remat`: recompute a layer's forward pass in the backward pass.
+"""`kmix.layers.Remat`: recompute a layer's forward pass in the backward pass (gradient checkpointing).
 
-Rematerialization (gradient checkpointing) keeps only a block's inputs during
-the forward pass and runs the block again when its gradient is needed, so its
-activations never live through the whole step. Keras's own `keras.RematScope`
-uses `tf.recompute_grad`, whose `tf.custom_gradient` refuses keyword
-arguments outside eager execution (keras-team/keras#21207): every attention
-block called with `attention_mask=` or `training=` fails inside `model.fit`.
-It also lets the block's seed generators drift, so the recomputed dropout
-masks differ from the forward ones and the gradients are wrong.
-
-`Remat` fixes both:
-
-- the block is called through a function of its *floating* input tensors
-  only; keyword arguments, booleans, `None`, masks and integer ids are bound
-  in a closure (they need no gradient);
-- the wrapper's `call` takes the wrapped layer's signature, so Keras binds
-  its arguments one by one, as for the bare layer: a tensor keyword next to a
-  Python one (`decoder_padding_mask=m, use_causal_mask=True`) is no "nested
-  argument mixing tensors and non-tensors", and `training` reaches the block
-  exactly when its own `call` takes it;
-- the block's non-trainable state (seed generator states, batch-norm
-  statistics) is read before the forward pass; the recomputation starts from
-  those values and puts the current ones back afterwards, so dropout draws
-  the same masks twice and no state is updated twice.
+Unlike `keras.RematScope` (`tf.recompute_grad`, which refuses keyword arguments in a graph,
+keras-team/keras#21207, and lets seed generators drift): only floating tensors go through the recomputed
+function, the wrapper takes the wrapped layer's call signature, and non-trainable state (seeds, batch-norm
+statistics) is replayed, so dropout draws the same masks twice and no state is updated twice.
 """
 
 import functools
@@ -38,24 +19,13 @@ from kmix import _checks as checks
 class Remat(keras.layers.Layer):
     """Runs `layer` without keeping its activations; recomputes them for the gradient.
 
-    The wrapper holds no variables of its own and changes no dtype: inputs
-    reach `layer` as they are (`autocast=False`), so it computes under its own
-    policy, and every positional and keyword argument is passed through
-    (tensors, `attention_mask=`, `padding_mask=`, `training=`, `None`).
-    Loss and gradients are those of `layer` itself: dropout inside it draws
-    the same masks in the recomputation as in the forward pass, and every
-    variable it reads gets its gradient. Memory falls by the block's
-    activations, at the cost of one more forward pass of the block per step.
-
-    Wrap blocks whose activations are large compared with their inputs (a
-    transformer block keeps ~10-20 tensors of its input's size; its input is
-    one). A layer that is not built yet runs once without recomputation (its
-    first call builds it); later calls rematerialize.
+    Loss and gradients are `layer`'s own; memory falls by its activations, for one more forward pass a
+    step. Inputs and every argument reach `layer` as they are (`autocast=False`). A layer not built yet
+    runs once without recomputation (its first call builds it).
 
     Args:
         layer: the `keras.layers.Layer` to wrap (a layer, a block or a model).
-        **kwargs: `keras.layers.Layer` arguments (`name`, `trainable`);
-            `dtype`, if given, must be the wrapped layer's policy.
+        **kwargs: `keras.layers.Layer` arguments; `dtype`, if given, must be the wrapped layer's policy.
 
     Example:
 
@@ -85,11 +55,9 @@ class Remat(keras.layers.Layer):
         dtype = kwargs.pop("dtype", None)
         layer = checks.wrapped_layer(layer)
         if dtype is not None and keras.dtype_policies.get(dtype).name != layer.dtype_policy.name:
-            raise ValueError(
-                "Remat computes under the wrapped layer's dtype policy; `dtype` may only repeat it "
-                f"(`Remat.from_config` applies a config's `dtype` to the wrapped layer). Received: "
-                f"dtype={dtype!r}, layer.dtype_policy={layer.dtype_policy.name!r}."
-            )
+            raise ValueError("Remat computes under the wrapped layer's dtype policy; `dtype` may only repeat it "
+                             "(`Remat.from_config` applies a config's `dtype` to the wrapped layer). Received: "
+                             f"dtype={dtype!r}, layer.dtype_policy={layer.dtype_policy.name!r}.")
         kwargs.pop("autocast", None)
         super().__init__(dtype=layer.dtype_policy, autocast=False, **kwargs)
         self.layer = layer
@@ -99,11 +67,7 @@ class Remat(keras.layers.Layer):
         """Nothing to create: the wrapped layer builds itself on its first call."""
 
     def call(self, *args, **kwargs):
-        """Calls the wrapped layer with the same arguments; its activations are recomputed.
-
-        Keras binds them against the wrapped layer's own `call` signature
-        (`training` and `mask` included where it takes them).
-        """
+        """Calls the wrapped layer with the same arguments (bound by its signature); recomputes its activations."""
         if not self.layer.built:
             return self.layer(*args, **kwargs)  # building creates variables: not in a custom gradient
         return rematerialize(self.layer, args, kwargs)
@@ -122,11 +86,7 @@ class Remat(keras.layers.Layer):
 
     @classmethod
     def from_config(cls, config):
-        """Re-creates the wrapper; the nested layer is deserialized (and built) first.
-
-        A `dtype` in `config` (as `kmix.autocast` and `keras.models.clone_model`
-        put there) becomes the wrapped layer's: it is re-created under it.
-        """
+        """Re-creates the wrapper; the nested layer first, under the config's `dtype` if it has one."""
         config = dict(config)
         layer_config = config.pop("layer")
         dtype = config.pop("dtype", None)
@@ -147,24 +107,15 @@ def _call_signature(layer):
 
 
 def rematerialize(layer, args, kwargs):
-    """`layer(*args, **kwargs)` whose activations are recomputed for the gradient.
-
-    Args:
-        layer: a built `keras.layers.Layer`.
-        args, kwargs: its call arguments; only floating tensors among them
-            receive gradients, everything else is bound as it is.
-
-    Returns:
-        What `layer` returns.
-    """
+    """`layer(*args, **kwargs)` (a built layer) with its activations recomputed for the gradient of its floating
+    tensor arguments; everything else is bound as it is."""
     flat = tf.nest.flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if tf.is_tensor(x) and x.dtype.is_floating]
     if not positions:  # nothing to checkpoint from: the block starts at integer ids
         return layer(*args, **kwargs)
     state = [v for v in layer.variables if not v.trainable]
     before = [tf.identity(tf.convert_to_tensor(v.value)) for v in state]
-    calls = []
-    structure = []
+    calls, structure = [], []
 
     def forward(*floats):
         values = list(flat)

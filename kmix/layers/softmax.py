@@ -1,11 +1,7 @@
-"""Softmax layers that compute in float32 whatever the dtype policy.
+"""Softmax layers that compute in float32 whatever the dtype policy: `Softmax` and `MaskedSoftmax` (with a bias).
 
-`Softmax` is a drop-in for `keras.layers.Softmax`; `MaskedSoftmax` adds an
-additive `bias` for code that masks with large negatives. Both keep the
-layer's compute dtype for their output (so a mixed model's activations stay
-float16) unless `output_dtype` says otherwise, and neither lets Keras cast the
-inputs down to the compute dtype first (`autocast=False` by default): the
-logits reach the float32 softmax at the precision they were computed in.
+Their output keeps the compute dtype unless `output_dtype` says otherwise, and their inputs are not cast down
+first (`autocast=False`).
 """
 
 import keras
@@ -17,29 +13,19 @@ from kmix.ops.softmax import _masked_softmax
 class Softmax(keras.layers.Softmax):
     """Drop-in `keras.layers.Softmax` that computes in float32 and never NaNs.
 
-    Same call, same mask rule (True or > 0.5 keeps), same errors for masks
-    that do not broadcast; a lower-rank mask that broadcasts two ways (a
-    `(B, S)` mask on `(B, H, T, S)` with `B == T`) is refused, not guessed.
-    Masked positions give 0, a fully masked row gives zeros, and gradients
-    are zero there (see `kmix.ops.masked_softmax`).
+    Same call and mask rule (True or > 0.5 keeps) as Keras's; masked positions give 0, a fully masked row
+    zeros, and the gradients there are zero (see `kmix.ops.masked_softmax`).
 
     Args:
         axis: an int or a tuple of ints: the axes normalised over.
-        output_dtype: the output dtype; the layer's compute dtype by default
-            (float16 under `mixed_float16`). `"float32"` keeps float32.
-        autocast: whether Keras casts float inputs to the compute dtype before
-            the call. Defaults to False, so float32 logits stay float32.
+        output_dtype: the output dtype; the layer's compute dtype by default.
+        autocast: whether Keras casts float inputs to the compute dtype first (default False).
         **kwargs: base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:
         inputs: the logits.
-        mask: optional bool or numeric mask broadcastable to `inputs` (of
-            lower rank: a `(B, S)` key mask or a `(T, S)` shared one on
-            `(B, H, T, S)`, see `kmix.ops.masked_softmax`); True
-            (or a value > 0.5) keeps a position, as in Keras (torch's
-            `key_padding_mask` is the opposite). A numeric mask must hold
-            values in [0, 1]: an additive bias (0 / -1e9) raises a
-            `ValueError` pointing to `MaskedSoftmax`'s `bias`.
+        mask: optional bool or numeric mask broadcastable to `inputs` (of lower rank: read as
+            `kmix.ops.masked_softmax` says); a numeric one must hold values in [0, 1].
 
     Returns:
         The probabilities, of `inputs`'s shape.
@@ -65,50 +51,32 @@ class Softmax(keras.layers.Softmax):
         return self._softmax(inputs, mask=mask)
 
     def _softmax(self, inputs, mask=None, bias=None):
-        return _masked_softmax(
-            inputs,
-            mask,
-            bias,
-            self.axis,
-            self.output_dtype or self.compute_dtype,
-            log=False,
-            names={"logits": "inputs", **self._mask_names},
-        )
+        return _masked_softmax(inputs, mask, bias, self.axis, self.output_dtype or self.compute_dtype, log=False,
+                               names={"logits": "inputs", **self._mask_names})
 
     def compute_output_spec(self, inputs, mask=None):
         return keras.KerasTensor(inputs.shape, dtype=self.output_dtype or self.compute_dtype)
 
     def get_config(self):
-        config = super().get_config()
-        config.update({"output_dtype": self.output_dtype, "autocast": self.autocast})
-        return config
+        return {**super().get_config(), "output_dtype": self.output_dtype, "autocast": self.autocast}
 
 
 @keras.saving.register_keras_serializable(package="kmix")
 class MaskedSoftmax(Softmax):
     """Float32 softmax taking a boolean `mask` and/or an additive `bias`.
 
-    The layer form of `kmix.ops.masked_softmax`, for attention code that
-    builds an additive mask: a bias of 0 keeps, values <= -1e3 (-1e4, -1e9,
-    `finfo.min`, `-inf`, also a float16 bias whose -1e9 became `-inf`) mask.
+    The layer form of `kmix.ops.masked_softmax`: a bias of 0 keeps, values <= -1e3 (-1e9, `-inf`) mask.
 
     Args:
         axis: an int or a tuple of ints: the axes normalised over.
         output_dtype: the output dtype; the layer's compute dtype by default.
-        autocast: whether Keras casts float inputs to the compute dtype before
-            the call. Defaults to False.
+        autocast: whether Keras casts float inputs to the compute dtype first (default False).
         **kwargs: base layer arguments (`name`, `dtype`, ...).
 
     Call arguments:
         inputs: the logits, e.g. attention scores `(batch, heads, T, S)`.
-        mask: optional bool or numeric mask broadcastable to `inputs` (of
-            lower rank, read as `kmix.ops.masked_softmax` says); True
-            (or a value > 0.5) keeps, as in Keras. A numeric mask with
-            values outside [0, 1] (an additive bias given as `mask`) raises
-            a `ValueError`; see `kmix.ops.masked_softmax` for graph mode.
-        bias: optional additive float bias broadcastable to `inputs`. One
-            holding only 0 and 1 (a keep-mask given as `bias`, which masks
-            nothing) gives a warning when its values are known.
+        mask: optional bool or numeric mask broadcastable to `inputs`, as `Softmax`'s.
+        bias: optional additive float bias broadcastable to `inputs`.
 
     Returns:
         The probabilities, of `inputs`'s shape.
@@ -137,8 +105,6 @@ def _standardize_output_dtype(dtype):
     except (TypeError, ValueError):
         name = None
     if name not in ("float16", "bfloat16", "float32", "float64"):
-        raise ValueError(
-            f"Received: output_dtype={dtype!r}; expected None (the layer's "
-            "compute dtype) or one of 'float16', 'bfloat16', 'float32', 'float64'."
-        )
+        raise ValueError(f"Received: output_dtype={dtype!r}; expected None (the layer's compute dtype) or one of "
+                         "'float16', 'bfloat16', 'float32', 'float64'.")
     return name

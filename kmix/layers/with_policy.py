@@ -12,22 +12,14 @@ from kmix.policy.policy import Policy, parse
 class WithPolicy(keras.layers.Layer):
     """Runs `layer` under `policy` inside a model that uses another policy.
 
-    Floating inputs are cast to `policy.compute_dtype`, the wrapped layer (and
-    every layer inside it) computes under `policy.to_keras()`, so its
-    variables take `policy.params_dtype`, and floating outputs are cast to
-    `policy.output_dtype`. Integer and boolean inputs (token ids, masks) pass
-    through unchanged.
-
-    The wrapped layer is changed in place: its dtype policy (and that of its
-    sub-layers) becomes `policy.to_keras()`. A layer that is already built
-    keeps its variables, so it must have been built with variables of
-    `policy.params_dtype`; otherwise this raises.
+    Floating inputs are cast to `policy.compute_dtype`, the wrapped layer and every layer inside it get
+    the policy `policy.to_keras()` (in place; a built one must already hold `policy.params_dtype`
+    variables), and floating outputs are cast to `policy.output_dtype`. Integer and boolean inputs pass.
 
     Args:
         layer: a `keras.layers.Layer` (a single layer, a block, or a model).
         policy: anything `kmix.Policy` accepts (`"float32"`, `"O1"`, ...).
-        **kwargs: `keras.layers.Layer` arguments (`name`, `trainable`).
-            `dtype` is not accepted: it comes from `policy`.
+        **kwargs: `keras.layers.Layer` arguments (`name`, `trainable`); not `dtype`.
 
     Example:
 
@@ -41,10 +33,8 @@ class WithPolicy(keras.layers.Layer):
 
     def __init__(self, layer, policy, **kwargs):
         if "dtype" in kwargs:
-            raise ValueError(
-                "WithPolicy takes its dtype from `policy`; do not pass `dtype`. "
-                f"Received: dtype={kwargs['dtype']!r}, policy={policy!r}."
-            )
+            raise ValueError("WithPolicy takes its dtype from `policy`; do not pass `dtype`. "
+                             f"Received: dtype={kwargs['dtype']!r}, policy={policy!r}.")
         layer = checks.wrapped_layer(layer)
         if isinstance(policy, dict):
             policy = Policy.from_config(policy)
@@ -62,25 +52,17 @@ class WithPolicy(keras.layers.Layer):
         return self._policy
 
     def build(self, input_shape=None):
-        """Nothing to create: the wrapped layer builds itself on its first call.
-
-        A wrapped layer can take several inputs (`MultiHeadAttention`), so it
-        is built by calling it, not from one shape. When loading, the nested
-        layer is built from its own build config before the wrapper exists.
-        """
+        """Nothing to create: the wrapped layer (which may take several inputs) builds itself on its first call."""
 
     def call(self, inputs, *args, training=None, mask=None, **kwargs):
         """Calls the wrapped layer on `inputs` cast to the compute dtype; casts its outputs."""
         policy = self._policy
-        inputs = policy.cast_to_compute(inputs)
-        args = policy.cast_to_compute(args)
-        kwargs = policy.cast_to_compute(kwargs)
+        inputs, args, kwargs = policy.cast_to_compute((inputs, args, kwargs))
         if self._call_parameters is None or "training" in self._call_parameters:
             kwargs["training"] = training
         if mask is not None and (self._call_parameters is None or "mask" in self._call_parameters):
             kwargs["mask"] = mask
-        outputs = self.layer(inputs, *args, **kwargs)
-        return policy.cast_to_output(outputs)
+        return policy.cast_to_output(self.layer(inputs, *args, **kwargs))
 
     def compute_mask(self, inputs, mask=None):
         """The wrapped layer's mask."""
@@ -90,11 +72,7 @@ class WithPolicy(keras.layers.Layer):
         """The wrapped layer, serialized, and the policy's config."""
         config = super().get_config()
         config.pop("dtype", None)
-        config.update(
-            layer=keras.saving.serialize_keras_object(self.layer),
-            policy=self._policy.get_config(),
-        )
-        return config
+        return {**config, "layer": keras.saving.serialize_keras_object(self.layer), "policy": self._policy.get_config()}
 
     @classmethod
     def from_config(cls, config):
@@ -143,13 +121,11 @@ def _apply_policy(layer, policy):
             floating = [v for v in sub.weights if keras.backend.is_float_dtype(v.dtype)]
             if any(keras.backend.standardize_dtype(v.dtype) != policy.params_dtype for v in floating):
                 where = "" if sub is layer else f" (in {layer.name!r})"
-                raise ValueError(
-                    f"Layer {sub.name!r}{where} is already built with "
-                    f"{sub.dtype_policy.variable_dtype} variables, but policy {policy.spec!r} "
-                    f"keeps parameters in {policy.params_dtype}. Received: layer={layer.name!r}, "
-                    f"policy={policy!r}. Wrap the layer before it is built (before its first "
-                    f"call), or pass a policy with params={sub.dtype_policy.variable_dtype}."
-                )
+                raise ValueError(f"Layer {sub.name!r}{where} is already built with {sub.dtype_policy.variable_dtype} "
+                                 f"variables, but policy {policy.spec!r} keeps parameters in {policy.params_dtype}. "
+                                 f"Received: layer={layer.name!r}, policy={policy!r}. Wrap the layer before it is "
+                                 f"built (before its first call), or pass a policy with "
+                                 f"params={sub.dtype_policy.variable_dtype}.")
     for sub in layers:
         if sub.dtype_policy != keras_policy:
             sub.dtype_policy = keras_policy

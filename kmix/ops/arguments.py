@@ -1,13 +1,7 @@
 """The arguments of the safe ops, checked: masks, biases, axes and output dtypes.
 
-`kmix.ops.masked_softmax` and `kmix.layers.MultiHeadAttention` take a
-mask that keeps positions (True / 1 keeps, as in Keras), an additive bias
-(0 keeps, -1e9 or -inf masks), an axis and an output dtype. Users mix the
-first two up (torch's masks are the opposite of Keras's; an additive mask
-passed as `mask`), so each check here says what was received and what is
-accepted; where the values are unknown until the graph runs, the check
-goes into the graph (and, under XLA, which drops assertions, the caller
-turns the output into NaN so that the loss shows it).
+Each check says what was received and what is accepted; where the values are unknown until the graph runs,
+it goes into the graph (under XLA, which drops assertions, the caller turns the output into NaN).
 """
 
 import warnings
@@ -18,33 +12,26 @@ import tensorflow as tf
 
 
 def keep_from_mask(mask, names=None):
-    """The boolean keep-mask of a `mask` argument, checked against additive biases.
+    """The boolean keep-mask of a `mask` argument, checked against additive biases given as masks.
 
-    A bool mask is returned as is. A numeric mask must hold values in
-    [0, 1] (a value > 0.5 keeps); anything else, typically an additive bias
-    such as 0 / -1e9 or 0 / -inf given as `mask`, raises a `ValueError` when
-    the values are known (eager tensors, constants). Otherwise an in-graph
-    assertion is added and the second return value is the in-range flag, for
-    the caller to turn the output into NaN where assertions are dropped (XLA).
+    A numeric mask must hold values in [0, 1] (> 0.5 keeps): where its values are known this raises a
+    `ValueError`, otherwise an in-graph assertion is added.
 
     Args:
         mask: a tensor of bool, integer or float dtype.
         names: the argument names for the messages, `{"mask": ..., "bias": ...}`.
 
     Returns:
-        `(keep, in_range)`: a bool tensor of `mask`'s shape, and None or a bool
-        scalar tensor (None when the check was done in Python or not needed).
+        `(keep, in_range)`: a bool tensor of `mask`'s shape, and the in-graph in-range flag (a bool scalar
+        tensor, for the caller to make the output NaN where XLA drops assertions) or None.
     """
     names = {"mask": "mask", "bias": "bias", **(names or {})}
     mask = tf.convert_to_tensor(mask)
     if mask.dtype == tf.bool:
         return mask, None
     if not (mask.dtype.is_floating or mask.dtype.is_integer):
-        raise TypeError(
-            f"Received: {names['mask']}.dtype={mask.dtype.name}; "
-            "expected bool, or an integer or float dtype with values in [0, 1] "
-            "where values > 0.5 keep a position."
-        )
+        raise TypeError(f"Received: {names['mask']}.dtype={mask.dtype.name}; expected bool, or an integer or float "
+                        "dtype with values in [0, 1] where values > 0.5 keep a position.")
     keep = tf.greater(mask, tf.cast(0.5, mask.dtype))
     message = _bias_as_mask_message(names)
 
@@ -58,30 +45,21 @@ def keep_from_mask(mask, names=None):
             finite = values[~np.isnan(values)]
             low, high = (finite.min(), finite.max()) if finite.size else (np.nan, np.nan)
             nan = ", NaN" if np.isnan(values).any() else ""
-            raise ValueError(
-                f"Received: {names['mask']} with values outside [0, 1] "
-                f"(min={low:g}, max={high:g}{nan}). {message}"
-            )
+            raise ValueError(f"Received: {names['mask']} with values outside [0, 1] (min={low:g}, max={high:g}{nan}). "
+                             f"{message}")
         return keep, None
     in_range = in_range_of(mask)
     as_float = tf.cast(mask, tf.float32)
-    tf.debugging.Assert(
-        in_range,
-        [f"{names['mask']} has values outside [0, 1]. {message} min:",
-         tf.reduce_min(as_float), "max:", tf.reduce_max(as_float)],
-        name="mask_values_in_0_1",
-    )
+    tf.debugging.Assert(in_range, [f"{names['mask']} has values outside [0, 1]. {message} min:",
+                                   tf.reduce_min(as_float), "max:", tf.reduce_max(as_float)], name="mask_values_in_0_1")
     return keep, in_range
 
 
 def _bias_as_mask_message(names):
-    where = names.get("bias_where", "")
-    return (
-        f"A numeric `{names['mask']}` keeps the positions where it is > 0.5 (True / 1 keeps, "
-        "as in Keras; torch's key_padding_mask is the opposite: True marks padding, pass "
-        "its logical_not). Negative values or values above 1 look like an additive bias "
-        f"(0 keeps, -1e9 or -inf masks): pass it as `{names['bias']}=`{where} instead."
-    )
+    return (f"A numeric `{names['mask']}` keeps the positions where it is > 0.5 (True / 1 keeps, as in Keras; torch's "
+            "key_padding_mask is the opposite: True marks padding, pass its logical_not). Negative values or values "
+            f"above 1 look like an additive bias (0 keeps, -1e9 or -inf masks): pass it as `{names['bias']}=`"
+            f"{names.get('bias_where', '')} instead.")
 
 
 def warn_if_keep_mask(bias, names):
@@ -96,21 +74,14 @@ def warn_if_keep_mask(bias, names):
         return tf.logical_and(only_0_1, tf.reduce_any(tf.equal(b, one)))
 
     if bool(values(keep_mask_like)):
-        warnings.warn(
-            f"Received: {names['bias']} holding only 0 and 1. An additive bias of 0 and 1 "
-            "masks nothing (only values <= -1e3, e.g. -1e9 or -inf, mask). If it is a "
-            f"keep-mask (1 keeps, 0 masks), pass it as `{names['mask']}=` instead.",
-            UserWarning,
-            stacklevel=4,
-        )
+        warnings.warn(f"Received: {names['bias']} holding only 0 and 1. An additive bias of 0 and 1 masks nothing "
+                      "(only values <= -1e3, e.g. -1e9 or -inf, mask). If it is a keep-mask (1 keeps, 0 masks), pass "
+                      f"it as `{names['mask']}=` instead.", UserWarning, stacklevel=4)
 
 
 def _known_values(tensor):
-    """None in a graph unless `tensor` is a constant; else `evaluate(fn)` -> `fn(tensor)`'s value.
-
-    Eagerly `fn` runs on the device and only its (scalar) result is copied to
-    the host; for a constant in a graph it runs eagerly on the constant.
-    """
+    """None in a graph unless `tensor` is a constant; else `evaluate(fn)` -> `fn(tensor)`'s value, computed on
+    the device (eagerly on the constant in a graph) with only the result copied to the host."""
     if tf.executing_eagerly():
         return lambda fn: fn(tensor).numpy()
     static = tf.get_static_value(tensor)
@@ -135,52 +106,25 @@ def output_dtype(logits_dtype, dtype):
     except (TypeError, ValueError):
         out = None
     if out is None or not out.is_floating:
-        raise ValueError(
-            f"Received: dtype={dtype!r}; expected None or a float dtype "
-            "('float16', 'bfloat16', 'float32' or 'float64')."
-        )
+        raise ValueError(f"Received: dtype={dtype!r}; expected None or a float dtype ('float16', 'bfloat16', "
+                         "'float32' or 'float64').")
     return out
 
 
 def normalize_axis(axis, rank, logits_name="logits"):
-    """Returns `axis` as a sorted tuple of non-negative ints, or raises.
-
-    Args:
-        axis: an int, or a tuple or list of ints.
-        rank: the rank of the tensor the axes index.
-        logits_name: the argument's name, for the error message.
-
-    Returns:
-        A sorted tuple of distinct ints in `[0, rank)`.
-    """
+    """`axis` (an int, or a tuple or list of ints into a tensor of `rank`) as a sorted tuple in `[0, rank)`."""
     items = list(axis) if isinstance(axis, (tuple, list)) else [axis]
-    accepted = (
-        f"expected an int or a non-empty tuple of distinct ints in "
-        f"[{-rank}, {rank}) for {logits_name} of rank {rank}."
-    )
-    if not items or not all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in items):
-        raise ValueError(f"Received: axis={axis!r}; {accepted}")
-    if not all(-rank <= a < rank for a in items):
-        raise ValueError(f"Received: axis={axis!r}; {accepted}")
-    axes = sorted(int(a) % rank for a in items)
-    if len(set(axes)) != len(axes):
-        raise ValueError(f"Received: axis={axis!r}; {accepted}")
-    return tuple(axes)
+    if (not items or not all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) and -rank <= a < rank
+                             for a in items) or len({int(a) % rank for a in items}) != len(items)):
+        raise ValueError(f"Received: axis={axis!r}; expected an int or a non-empty tuple of distinct ints in "
+                         f"[{-rank}, {rank}) for {logits_name} of rank {rank}.")
+    return tuple(sorted(int(a) % rank for a in items))
 
 
 def check_broadcastable(shape, target_shape, name, target_name, shown_shape=None):
-    """Raises a ValueError unless `shape` broadcasts to `target_shape` unchanged.
+    """Raises a ValueError unless `shape` broadcasts to `target_shape` unchanged (unknown dimensions pass).
 
-    Each dimension, aligned from the right, must be 1 or equal to the target's,
-    and `shape` must not have more dimensions (as `keras.layers.Softmax`).
-    Unknown dimensions are not checked.
-
-    Args:
-        shape: the shape to check (a `tf.TensorShape` or tuple).
-        target_shape: the shape it must broadcast to.
-        name: the argument's name, for the message.
-        target_name: the target argument's name, for the message.
-        shown_shape: the shape to print, when `shape` was reshaped first.
+    `name` and `target_name` name the arguments in the message; `shown_shape` is printed for `shape`.
     """
     shape = tf.TensorShape(shape)
     target_shape = tf.TensorShape(target_shape)
@@ -192,24 +136,16 @@ def check_broadcastable(shape, target_shape, name, target_name, shown_shape=None
     )
     if not fits:
         shown = tuple(tf.TensorShape(shown_shape if shown_shape is not None else shape).as_list())
-        raise ValueError(
-            f"The `{name}` must be broadcastable to `{target_name}`: each of its "
-            f"dimensions 1 or equal to the matching one, and it must not have "
-            f"more dimensions. Received: {name}.shape={shown}; expected a shape "
-            f"broadcastable to {tuple(target_dims)}."
-        )
+        raise ValueError(f"The `{name}` must be broadcastable to `{target_name}`: each of its dimensions 1 or equal "
+                         f"to the matching one, and it must not have more dimensions. Received: {name}.shape={shown}; "
+                         f"expected a shape broadcastable to {tuple(target_dims)}.")
 
 
 def align_to_logits(tensor, logits_shape, name, logits_name):
     """`tensor` (a mask or bias) with `logits`'s rank, by the rule for masks of lower rank; or raises.
 
-    A tensor of the logits' rank broadcasts as NumPy does. One of lower rank
-    (r >= 2 dimensions against R) can be read two ways that differ only in
-    where its first axis goes: aligned to the last axes, as NumPy
-    broadcasts (a `(T, S)` causal mask shared over the batch ->
-    `(1, 1, T, S)`), or batch-first, its first axis the logits' first (a
-    `(B, S)` key-padding mask on `(B, H, T, S)` scores -> `(B, 1, 1, S)`).
-    Its other axes align to the last ones either way and must broadcast.
+    One of lower rank is read aligned to the last axes (a `(T, S)` causal mask -> `(1, 1, T, S)`) or
+    batch-first (a `(B, S)` key mask on `(B, H, T, S)` scores -> `(B, 1, 1, S)`):
 
     ```
     d = tensor's first dimension; b = logits' first; a = the logits' axis R - r
@@ -221,13 +157,12 @@ def align_to_logits(tensor, logits_shape, name, logits_name):
     ```
 
     Args:
-        tensor: a tensor (the mask or the bias).
-        logits_shape: the logits' shape (a `tf.TensorShape` or tuple).
-        name: the argument's name, for the message.
-        logits_name: the logits' argument name, for the message.
+        tensor: the mask or the bias.
+        logits_shape: the logits' shape.
+        name, logits_name: the arguments' names, for the messages.
 
     Returns:
-        `tensor`, with size-1 axes inserted up to the logits' rank where its rank is lower.
+        `tensor`, with size-1 axes inserted up to the logits' rank.
     """
     shape, target = tf.TensorShape(tensor.shape), tf.TensorShape(logits_shape)
     if shape.rank is None or target.rank is None or shape.rank >= target.rank:
@@ -245,34 +180,26 @@ def align_to_logits(tensor, logits_shape, name, logits_name):
     fit_batch, fit_last = _fits(dims[0], goal[0]), _fits(dims[0], goal[rank - r])
     batch_index = "[:" + ", None" * (rank - r) + ", :" * (r - 1) + "]"
     last_index = "[" + ", ".join(["None"] * (rank - r)) + "]"
-    readings = (
-        f"batch-first, {tuple(batch_first)} (pass {name}{batch_index}: one row per example, e.g. a "
-        f"key-padding mask), or aligned to the last axes, {tuple(trailing)} (pass {name}{last_index}: "
-        "shared over the batch, e.g. a causal mask)"
-    )
+    readings = (f"batch-first, {tuple(batch_first)} (pass {name}{batch_index}: one row per example, e.g. a "
+                f"key-padding mask), or aligned to the last axes, {tuple(trailing)} (pass {name}{last_index}: shared "
+                "over the batch, e.g. a causal mask)")
     if fit_batch == fit_last == "no":
-        raise ValueError(
-            f"The `{name}` has fewer dimensions than `{logits_name}` and broadcasts to it neither "
-            f"batch-first nor aligned to the last axes. Received: {name}.shape={tuple(dims)}, "
-            f"{logits_name}.shape={tuple(goal)}; expected a shape broadcastable to {tuple(goal)}: "
-            f"with {rank} dimensions, or read {readings}."
-        )
+        raise ValueError(f"The `{name}` has fewer dimensions than `{logits_name}` and broadcasts to it neither "
+                         f"batch-first nor aligned to the last axes. Received: {name}.shape={tuple(dims)}, "
+                         f"{logits_name}.shape={tuple(goal)}; expected a shape broadcastable to {tuple(goal)}: "
+                         f"with {rank} dimensions, or read {readings}.")
     if fit_batch == fit_last == "yes":
-        raise ValueError(
-            f"The `{name}` has fewer dimensions than `{logits_name}` and broadcasts two ways: its "
-            f"first axis ({dims[0]}) matches both the batch axis and axis {rank - r}. Received: "
-            f"{name}.shape={tuple(dims)}, {logits_name}.shape={tuple(goal)}. Pass it with {rank} "
-            f"dimensions: {readings}."
-        )
+        raise ValueError(f"The `{name}` has fewer dimensions than `{logits_name}` and broadcasts two ways: its first "
+                         f"axis ({dims[0]}) matches both the batch axis and axis {rank - r}. Received: "
+                         f"{name}.shape={tuple(dims)}, {logits_name}.shape={tuple(goal)}. Pass it with {rank} "
+                         f"dimensions: {readings}.")
     first = fit_batch != "no" and not (fit_last == "yes" and fit_batch == "maybe")
     return _expand(tensor, rank - r, 1 if first else 0)
 
 
 def _fits(dim, target):
     """'yes', 'no' or 'maybe' (a dimension unknown until the graph runs)."""
-    if dim is None or target is None:
-        return "maybe"
-    return "yes" if dim == target else "no"
+    return "maybe" if dim is None or target is None else "yes" if dim == target else "no"
 
 
 def _expand(tensor, count, axis):

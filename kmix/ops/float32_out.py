@@ -1,16 +1,7 @@
 """Activations that hand float32 out: a layer computes its matmul in half and its activation in float32.
 
-`kmix.autocast` gives the layers producing a model's outputs (a `Dense` LM
-head, a classifier, a convolution) the half compute dtype and one of these
-activations, as TensorFlow's mixed-precision guide ends a model with a half
-`Dense` and an `Activation("linear", dtype="float32")`, and torch autocast
-computes `Linear` in half and the loss in float32: the matmul, most of an
-LM head's cost, runs at half speed, and the activation (softmax,
-log-softmax) and what follows it see float32.
-
-Each is registered with Keras (`"kmix>float32_softmax"`, ...), so the
-layer's config names it and `keras.models.load_model` rebuilds the layer as
-it trained.
+`kmix.autocast` gives a model's output layers (an LM head, a classifier) one of these; each is registered
+with Keras (`"kmix>float32_softmax"`, ...), so `keras.models.load_model` rebuilds the layer as it trained.
 
     x = keras.layers.Dense(10, activation=kmix.ops.float32_out.wrap("softmax"))(x)
 """
@@ -45,17 +36,9 @@ float32_gelu = _float32_form("gelu", keras.activations.gelu)
 float32_silu = _float32_form("silu", keras.activations.silu)
 float32_softplus = _float32_form("softplus", keras.activations.softplus)
 
-_WRAPPED = {
-    keras.activations.linear: float32_linear,
-    keras.activations.softmax: float32_softmax,
-    keras.activations.log_softmax: float32_log_softmax,
-    keras.activations.sigmoid: float32_sigmoid,
-    keras.activations.tanh: float32_tanh,
-    keras.activations.relu: float32_relu,
-    keras.activations.gelu: float32_gelu,
-    keras.activations.silu: float32_silu,
-    keras.activations.softplus: float32_softplus,
-}
+_WRAPPED = {keras.activations.get(f.__name__[len("float32_"):]): f for f in (
+    float32_linear, float32_softmax, float32_log_softmax, float32_sigmoid, float32_tanh, float32_relu, float32_gelu,
+    float32_silu, float32_softplus)}
 _UNWRAPPED = {wrapped: plain for plain, wrapped in _WRAPPED.items()}
 
 
@@ -63,13 +46,11 @@ def wrap(activation):
     """The float32-out form of a Keras activation (a name or function), or None where kmix has none.
 
     Args:
-        activation: `"linear"`, `"softmax"`, `keras.activations.relu`, ...
-            (None is `"linear"`); a float32-out activation is its own form.
+        activation: `"linear"`, `"softmax"`, `keras.activations.relu`, ... (None is `"linear"`); a
+            float32-out activation is its own form.
 
     Returns:
-        The registered function that casts its input to float32 and applies
-        `activation`, or None for an activation outside the list (a custom
-        function, or one with arguments).
+        The registered function that casts its input to float32 and applies `activation`, or None.
 
     Example:
 

@@ -1,16 +1,8 @@
 """Softmax and log-softmax that compute in float32 and select masked positions out.
 
-A softmax in float16 fails two ways. A hand-made additive mask such as
-`(1 - mask) * -1e9` is `-inf` in float16, and `0 * -inf` is NaN. And a float16
-softmax over a long axis sums thousands of float16 values, an error of about
-5e-4 against float64 where float32 gives about 2e-7.
-
-The functions here cast the logits to float32 (float64 stays float64), never
-add or multiply an infinity: a masked position is replaced with `where`, both
-before the `exp` and after it (the "double where"), so its value and its
-gradient are exactly zero, and a row with no position left gives zeros and zero
-gradients rather than NaN or a uniform spread over padding. The arguments
-(mask, bias, axis, dtype) are checked in `kmix.ops.arguments`.
+The logits are cast to float32 (float64 stays float64) and a masked position is replaced with `where`,
+never added to or multiplied by an infinity: its value and gradient are exactly zero, and a row with nothing
+kept gives zeros. The arguments are checked in `kmix.ops.arguments`.
 """
 
 import keras
@@ -19,10 +11,7 @@ import tensorflow as tf
 
 from kmix.ops.arguments import align_to_logits, keep_from_mask, normalize_axis, output_dtype, warn_if_keep_mask
 
-# An additive bias at or below this value masks its position, as `-inf` does.
-# exp(-1e3) is 0 even in float64, so on a row that keeps a position with a
-# bias near 0 masking such an entry changes nothing; it decides what a row
-# whose every entry is this negative gives: zeros, not a uniform spread. It is
+# An additive bias at or below this masks its position, as `-inf` does (exp(-1e3) is 0 even in float64);
 # -1e3 rather than -1e4 because BERT's -1e4 rounds to -9984 in bfloat16.
 BIAS_MASK_THRESHOLD = -1e3
 
@@ -30,44 +19,21 @@ BIAS_MASK_THRESHOLD = -1e3
 def masked_softmax(logits, mask=None, bias=None, axis=-1, dtype=None):
     """Softmax in float32 that zeroes masked positions and never gives NaN.
 
-    A position is masked when `mask` is False (or <= 0.5), when `bias` is at or
-    below -1e3 (`-1e4`, `-1e9`, `finfo.min` and `-inf` included, whatever the
-    bias's dtype), or when its logit is `-inf`. Masked positions give exactly 0 and a
-    zero gradient; a row with every position masked gives zeros.
-
-    `mask` follows Keras: True (or 1) *keeps* a position. torch's
-    `key_padding_mask` and boolean `attn_mask` are the opposite (True marks
-    padding): pass `~mask` (`keras.ops.logical_not`). An additive bias
-    (0 / -1e9, 0 / -inf) passed as `mask` is an error: a numeric mask must
-    hold values in [0, 1]. Eagerly, or for a constant mask, this raises a
-    `ValueError`; inside a `tf.function` an in-graph assertion raises
-    `InvalidArgumentError`; under XLA, which drops assertions, the output
-    is NaN instead, so the loss shows it. A `bias` holding only 0 and 1
-    (a keep-mask passed as `bias`, which masks nothing) gives a warning when
-    its values are known (eagerly or a constant).
-
-    A mask or bias of lower rank than `logits` is read batch-first or
-    aligned to the last axes, whichever its shape fits
-    (`kmix.ops.arguments.align_to_logits`): on `(B, H, T, S)` scores a
-    `(B, S)` mask is a key mask `(B, 1, 1, S)` and a `(T, S)` one is shared
-    over the batch `(1, 1, T, S)`; one that fits both (`B == T`) raises a
-    `ValueError` naming the shape to pass. With the batch unknown when
-    traced, a mask whose first dimension is unknown too is a key mask.
+    A position is masked where `mask` is False (or <= 0.5), where `bias` is <= -1e3 (-1e9, `-inf`), or
+    where its logit is `-inf`. `mask` keeps where True, as in Keras (pass torch's `key_padding_mask` as
+    its `logical_not`); a numeric mask outside [0, 1] (an additive bias given as `mask`) raises, or, under
+    XLA, makes the output NaN. A mask or bias of lower rank is a `(B, S)` key mask or a `(T, S)` one shared
+    over the batch (`kmix.ops.arguments.align_to_logits`); one that could be either raises.
 
     Args:
         logits: a float tensor (float16, bfloat16, float32 or float64).
-        mask: optional; bool, or numeric with values in [0, 1] where a value
-            > 0.5 keeps the position (True / 1 keeps, as in Keras).
-            Broadcastable to `logits`; of lower rank, see below.
-        bias: optional additive bias of any float dtype, broadcastable to
-            `logits`: 0 keeps, values <= -1e3 (-1e4, -1e9, `finfo.min`,
-            `-inf`) mask.
+        mask: optional bool, or numeric with values in [0, 1], broadcastable to `logits`.
+        bias: optional additive float bias broadcastable to `logits`: 0 keeps, values <= -1e3 mask.
         axis: an int or a tuple of ints: the axes normalised over.
         dtype: the output dtype; `logits.dtype` by default.
 
     Returns:
-        A tensor of `logits`'s shape and `dtype` (or `logits.dtype`), summing
-        to 1 over `axis` on every row that keeps a position, 0 elsewhere.
+        A tensor of `logits`'s shape and `dtype`, summing to 1 over `axis` on every row that keeps a position.
 
     Example:
         >>> x = np.array([[1.0, 2.0, 3.0]], "float16")
@@ -81,25 +47,18 @@ def masked_softmax(logits, mask=None, bias=None, axis=-1, dtype=None):
 def masked_log_softmax(logits, mask=None, bias=None, axis=-1, dtype=None):
     """Log-softmax in float32 for losses over masked positions; never NaN.
 
-    Same arguments, masking rule and mask checks as `masked_softmax`
-    (True / 1 in `mask` keeps a position). A masked position
-    holds 0, not `-inf`, so `labels * log_probs` stays finite there (use the
-    mask, not the value, to tell masked positions apart). Its gradient is 0.
+    Same arguments and masking rule as `masked_softmax`. A masked position holds 0 (not `-inf`, so
+    `labels * log_probs` stays finite) with a zero gradient.
 
     Args:
         logits: a float tensor (float16, bfloat16, float32 or float64).
-        mask: optional; bool, or numeric with values in [0, 1] where a value
-            > 0.5 keeps the position. Broadcastable to `logits`, as in
-            `masked_softmax`.
-        bias: optional additive bias of any float dtype, broadcastable to
-            `logits`: 0 keeps, values <= -1e3 (-1e4, -1e9, `finfo.min`,
-            `-inf`) mask.
+        mask: optional bool, or numeric with values in [0, 1], broadcastable to `logits`.
+        bias: optional additive float bias broadcastable to `logits`: 0 keeps, values <= -1e3 mask.
         axis: an int or a tuple of ints: the axes normalised over.
         dtype: the output dtype; `logits.dtype` by default.
 
     Returns:
-        A tensor of `logits`'s shape and dtype: `log(softmax)` at kept
-        positions, 0 at masked ones.
+        A tensor of `logits`'s shape and dtype: `log(softmax)` at kept positions, 0 at masked ones.
 
     Example:
         >>> x = np.array([[0.0, 0.0, 5.0]], "float16")
@@ -111,53 +70,36 @@ def masked_log_softmax(logits, mask=None, bias=None, axis=-1, dtype=None):
 
 
 def _masked_softmax(logits, mask, bias, axis, dtype, log, names=None, infinite_logits=True):
-    """The shared body; `names` renames the arguments in error messages.
-
-    `infinite_logits=False` is the caller's word that no logit is `-inf`
-    (attention scores computed in bfloat16 or float32 from finite inputs:
-    they cannot overflow): rows with nothing kept are then found from the
-    mask alone and zeroed after the cast to the output dtype, two passes
-    fewer over the largest tensor of a transformer's forward pass.
-    """
+    """The shared body; `names` renames the arguments in messages. `infinite_logits=False` is the caller's word
+    that no logit is `-inf`: rows with nothing kept are then found from the mask alone (two passes fewer)."""
     names = {"logits": "logits", "mask": "mask", "bias": "bias", **(names or {})}
     for name, value in (("logits", logits), ("mask", mask), ("bias", bias)):
         if keras.backend.is_keras_tensor(value):
-            raise TypeError(
-                f"`kmix.ops.masked_softmax` takes concrete tensors; "
-                f"`{names[name]}` is a symbolic KerasTensor. In a functional "
-                "model use the layer `kmix.layers.MaskedSoftmax` instead."
-            )
+            raise TypeError(f"`kmix.ops.masked_softmax` takes concrete tensors; `{names[name]}` is a symbolic "
+                            "KerasTensor. In a functional model use the layer `kmix.layers.MaskedSoftmax` instead.")
     logits = tf.convert_to_tensor(logits)
     if not (logits.dtype.is_floating or logits.dtype.is_integer):
-        raise TypeError(
-            f"Received: {names['logits']}.dtype={logits.dtype.name}; expected a float tensor "
-            "(float16, bfloat16, float32 or float64)."
-        )
+        raise TypeError(f"Received: {names['logits']}.dtype={logits.dtype.name}; expected a float tensor "
+                        "(float16, bfloat16, float32 or float64).")
     out_dtype = output_dtype(logits.dtype, dtype)
     compute_dtype = tf.float64 if tf.float64 in (logits.dtype, out_dtype) else tf.float32
     rank = logits.shape.rank
     if rank is None or rank == 0:
-        raise ValueError(
-            f"`{names['logits']}` must have a known rank of at least 1 (a softmax normalises over an "
-            f"axis). Received: {names['logits']}.shape={logits.shape}."
-        )
+        raise ValueError(f"`{names['logits']}` must have a known rank of at least 1 (a softmax normalises over an "
+                         f"axis). Received: {names['logits']}.shape={logits.shape}.")
     axes = normalize_axis(axis, rank, names["logits"])
     x = tf.cast(logits, compute_dtype)
 
-    keep = None
-    mask_ok = None
+    keep = mask_ok = None
     if mask is not None:
-        mask = tf.convert_to_tensor(mask)
-        mask = align_to_logits(mask, logits.shape, names["mask"], names["logits"])
+        mask = align_to_logits(tf.convert_to_tensor(mask), logits.shape, names["mask"], names["logits"])
         keep, mask_ok = keep_from_mask(mask, names)
     if bias is not None:
         bias = tf.convert_to_tensor(bias)
         if not (bias.dtype.is_floating or bias.dtype.is_integer):
             hint = f" Pass a boolean mask as `{names['mask']}`." if bias.dtype == tf.bool else ""
-            raise TypeError(
-                f"Received: {names['bias']}.dtype={bias.dtype.name}; "
-                f"expected a float dtype (0 keeps, large negatives mask).{hint}"
-            )
+            raise TypeError(f"Received: {names['bias']}.dtype={bias.dtype.name}; expected a float dtype (0 keeps, "
+                            f"large negatives mask).{hint}")
         bias = align_to_logits(bias, logits.shape, names["bias"], names["logits"])
         warn_if_keep_mask(bias, names)
         bias = tf.cast(bias, compute_dtype)
@@ -208,19 +150,9 @@ def _masked_softmax(logits, mask, bias, axis, dtype, log, names=None, infinite_l
 def _fused_softmax(x, keep, axis):
     """The softmax over one axis on TensorFlow's fused kernel, masked positions selected out.
 
-    A masked position, and a `-inf` logit, become the dtype's lowest finite
-    value rather than `-inf`, so that a row with nothing kept stays finite
-    (`tf.nn.softmax` of a row of `-inf` is NaN); such a row, whose max is
-    that lowest value, is then replaced with zeros. Elsewhere
-    `exp(lowest - max)` is exactly 0. NaN stays NaN: `maximum` and
-    `reduce_max` propagate it, and `row_max <= lowest` is False for it.
-
-    The gradient is TensorFlow's own, through the selects: 0 at masked
-    positions (their probability is exactly 0) and on rows with nothing kept
-    (the last select). No `tf.custom_gradient`: in a traced function it
-    registers a gradient in TensorFlow's global registry on every trace,
-    which keeps the traced graph alive for the life of the process (every
-    `predict`, `fit` and export trace of an attention model held its graph).
+    Masked positions and `-inf` logits become the dtype's lowest finite value (a row of `-inf` would be NaN);
+    a row whose max is that value is replaced with zeros. NaN stays NaN. The gradient is TensorFlow's own,
+    through the selects: no `tf.custom_gradient`, which would keep every traced graph alive for the process.
     """
     lowest = tf.constant(x.dtype.min, x.dtype)
     logits = x if keep is None else tf.where(keep, x, lowest)
@@ -230,13 +162,7 @@ def _fused_softmax(x, keep, axis):
 
 
 def _softmax_rows_from_mask(x, keep, axis, out_dtype):
-    """The fused softmax for logits that hold no `-inf`; rows with nothing kept zeroed by the mask.
-
-    Masked positions take the lowest finite value, so every row stays finite
-    and `tf.nn.softmax`'s own gradient applies; a row the mask empties comes
-    out uniform and is replaced with zeros, in `out_dtype` (half the bytes
-    of float32 for a half output), which also zeroes its gradient.
-    """
+    """The fused softmax for logits that hold no `-inf`; rows the mask empties are zeroed in `out_dtype`."""
     if keep is None:
         return tf.cast(tf.nn.softmax(x, axis=axis), out_dtype)
     probs = tf.nn.softmax(tf.where(keep, x, tf.constant(x.dtype.min, x.dtype)), axis=axis)

@@ -8,12 +8,7 @@ from kmix import _checks as checks
 
 @keras.saving.register_keras_serializable(package="kmix")
 class Scaled(keras.optimizers.schedules.LearningRateSchedule):
-    """`factor * schedule(step)`: lowers (or raises) a whole schedule at once.
-
-    This is how `kmix.callbacks.NaNGuard` multiplies a schedule learning rate
-    by its `lr_factor`: a schedule's value cannot be assigned like a float
-    rate's variable. Scaling a `Scaled` again multiplies the factors instead
-    of nesting (see `scale`).
+    """`factor * schedule(step)`: lowers (or raises) a whole schedule at once, as `NaNGuard` does.
 
     Args:
         schedule: a `keras.optimizers.schedules.LearningRateSchedule`.
@@ -32,24 +27,14 @@ class Scaled(keras.optimizers.schedules.LearningRateSchedule):
 
     def __init__(self, schedule, factor):
         if not isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
-            raise TypeError(
-                "`schedule` must be a keras.optimizers.schedules.LearningRateSchedule. "
-                f"Received: schedule={schedule!r} (of type {type(schedule).__name__})."
-            )
+            raise TypeError("`schedule` must be a keras.optimizers.schedules.LearningRateSchedule. "
+                            f"Received: schedule={schedule!r} (of type {type(schedule).__name__}).")
         self.schedule = schedule
         self.factor = checks.real("factor", factor, low=0.0, low_open=True)
 
     @classmethod
     def scale(cls, schedule, factor):
-        """`schedule` times `factor`; a `Scaled` gets its factor multiplied, not a wrapper.
-
-        Args:
-            schedule: any `LearningRateSchedule`.
-            factor: the multiplier, > 0.
-
-        Returns:
-            A new `Scaled`.
-        """
+        """A new `Scaled`: `schedule` times `factor`, or a `Scaled` schedule's factor multiplied (no nesting)."""
         if isinstance(schedule, Scaled):
             return cls(schedule.schedule, schedule.factor * float(factor))
         return cls(schedule, factor)
@@ -61,17 +46,12 @@ class Scaled(keras.optimizers.schedules.LearningRateSchedule):
 
     def get_config(self):
         """The nested schedule (serialized) and the factor."""
-        return {
-            "schedule": keras.saving.serialize_keras_object(self.schedule),
-            "factor": self.factor,
-        }
+        return {"schedule": keras.saving.serialize_keras_object(self.schedule), "factor": self.factor}
 
     @classmethod
     def from_config(cls, config):
         """Re-creates the schedule, deserializing the nested one."""
-        config = dict(config)
-        config["schedule"] = keras.saving.deserialize_keras_object(config["schedule"])
-        return cls(**config)
+        return cls(**{**config, "schedule": keras.saving.deserialize_keras_object(config["schedule"])})
 
     def __repr__(self):
         return f"Scaled(schedule={self.schedule!r}, factor={self.factor})"

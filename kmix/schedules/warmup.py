@@ -24,20 +24,13 @@ class Warmup(keras.optimizers.schedules.LearningRateSchedule):
     step >= warmup_steps:  rate = base(step)           # exactly, not base * f(1)
     ```
 
-    `step` is the optimizer's `iterations`: the number of updates applied
-    before this one, so the first update uses `initial * base(0)`. Under a
-    loss-scale optimizer a skipped (overflowed) step does not advance
-    `iterations`, hence does not advance the warm-up either. Everything is
-    computed from the step tensor inside the graph, so the rate is exact under
-    `jit_compile=True` and `steps_per_execution > 1`.
+    `step` is the optimizer's `iterations` (a step a loss-scale optimizer skips does not advance it),
+    and the rate is computed in the graph from it.
 
     Args:
-        base: the rate after warm-up: a float >= 0 or a
-            `keras.optimizers.schedules.LearningRateSchedule`, evaluated at
-            the global step (a decay keeps running during warm-up).
+        base: the rate after warm-up: a float >= 0 or a `LearningRateSchedule` (which keeps running).
         warmup_steps: how many steps the warm-up lasts, an int >= 0 (0: none).
-        initial: the fraction of `base(step)` the warm-up starts from, in
-            [0, 1]; in (0, 1] for `shape="exponential"`.
+        initial: the fraction of `base(step)` it starts from, in [0, 1]; in (0, 1] for `"exponential"`.
         shape: `"linear"`, `"exponential"` or `"cosine"`.
 
     Returns (when called with a step):
@@ -83,12 +76,7 @@ class Warmup(keras.optimizers.schedules.LearningRateSchedule):
         base = self.base
         if isinstance(base, keras.optimizers.schedules.LearningRateSchedule):
             base = keras.saving.serialize_keras_object(base)
-        return {
-            "base": base,
-            "warmup_steps": self.warmup_steps,
-            "initial": self.initial,
-            "shape": self.shape,
-        }
+        return {"base": base, "warmup_steps": self.warmup_steps, "initial": self.initial, "shape": self.shape}
 
     @classmethod
     def from_config(cls, config):
@@ -99,10 +87,8 @@ class Warmup(keras.optimizers.schedules.LearningRateSchedule):
         return cls(**config)
 
     def __repr__(self):
-        return (
-            f"Warmup(base={self.base!r}, warmup_steps={self.warmup_steps}, "
-            f"initial={self.initial}, shape={self.shape!r})"
-        )
+        return (f"Warmup(base={self.base!r}, warmup_steps={self.warmup_steps}, initial={self.initial}, "
+                f"shape={self.shape!r})")
 
 
 def _check_base(base, name="base"):
@@ -110,22 +96,16 @@ def _check_base(base, name="base"):
     if isinstance(base, keras.optimizers.schedules.LearningRateSchedule):
         return base
     if isinstance(base, bool) or not isinstance(base, numbers.Real):
-        raise TypeError(
-            f"`{name}` must be a float >= 0 or a keras.optimizers.schedules."
-            f"LearningRateSchedule. Received: {name}={base!r} (of type {type(base).__name__})."
-        )
+        raise TypeError(f"`{name}` must be a float >= 0 or a keras.optimizers.schedules.LearningRateSchedule. "
+                        f"Received: {name}={base!r} (of type {type(base).__name__}).")
     return checks.real(name, base, low=0.0)
 
 
 def _check_initial(initial, shape):
     if shape not in SHAPES:
-        raise ValueError(
-            f"`shape` must be one of {', '.join(repr(s) for s in SHAPES)}. Received: shape={shape!r}"
-        )
+        raise ValueError(f"`shape` must be one of {', '.join(repr(s) for s in SHAPES)}. Received: shape={shape!r}")
     value = checks.real("initial", initial, low=0.0, high=1.0)  # a fraction of the base rate
     if shape == "exponential" and value == 0.0:
-        raise ValueError(
-            "`shape='exponential'` rises geometrically from `initial` and needs initial > 0. "
-            "Received: initial=0.0. Pass e.g. initial=0.01, or use shape='linear'."
-        )
+        raise ValueError("`shape='exponential'` rises geometrically from `initial` and needs initial > 0. "
+                         "Received: initial=0.0. Pass e.g. initial=0.01, or use shape='linear'.")
     return value
