@@ -1,23 +1,13 @@
 """One save-and-restore of a model's state, for kmix's calls that must leave the model as they found it.
 
-`Preserved(model, saved, storage, undo)` holds what it takes to put the model back:
-
-- each layer's class and attributes, those of its graph's nodes and
-  operations and of its dtype policies (a keras-hub `DTypePolicyMap` is
-  changed in place): autocast sets policies, swaps classes and replaces
-  constants by assignment; restored by `restore_layers()`;
-- with `storage=True`, each variable's own storage and dtype (O2 / O3 give
-  variables half storage; the float32 storage is held, not copied);
-- unless `saved` is `"none"`, each variable's digest, and the values of
-  the variables `saved` names, written to a temporary directory one
-  variable at a time: `"all"`, or `"non-trainable"` (batch-norm
-  statistics, seed states). On exit the saved variables whose digest
-  changed are read back from there; an unsaved one that changed is an
-  error naming it;
-- what autocast recorded for `kmix.wrap` about the model's variables.
-
-`kmix.recommend` and `kmix.export` put everything back on exit; `kmix.autocast`
-(`undo="on_error"`) only when an exception, KeyboardInterrupt included, ends it.
+`Preserved(model, saved, storage, undo)` holds each layer's class and
+attributes (with its graph's nodes and operations and its dtype policies),
+optionally each variable's storage, the values of the variables `saved`
+names (written to a temporary directory, one variable at a time) and what
+autocast recorded about the model's variables. `kmix.recommend`,
+`kmix.diagnose` and `kmix.export` put everything back on exit;
+`kmix.autocast` (`undo="on_error"`) only when an exception, KeyboardInterrupt
+included, ends it.
 
     >>> with Preserved(model, saved="none", storage=True, undo="on_error") as kept:
     ...     place(model)
@@ -36,22 +26,28 @@ import numpy as np
 
 from kmix import _compat
 from kmix._tree import digest, walk
-from kmix.policy import advice
+from kmix import _state
 
 
 class Preserved:
-    """A context that puts `model`'s layers, variables and kmix's records back as they were on entry (see the module).
+    """A context that puts `model`'s layers, variables and kmix's records back as they were on entry.
 
-    `saved`: the variables whose values are kept to restore: `"all"`,
-    `"non-trainable"` (for a caller whose optimizer leaves the trainable ones
-    still: `kmix.recommend`; every variable's digest is checked on exit) or
-    `"none"` (for a caller that changes no variable's value, `kmix.export`
-    and `kmix.autocast`: the variables are neither read nor checked).
-    `storage`: also put back each variable's own storage and dtype (O2 and
-    O3 give variables new half storage; the float32 one is held, not copied,
-    until the exit). `undo`: `"always"`, or `"on_error"` (all or nothing: an
-    exception, KeyboardInterrupt included, puts everything back; `commit()`
-    keeps what was done).
+    Args:
+        model: the `keras.Model` to put back.
+        saved: the variables (metrics' included) whose values are kept to
+            restore: `"all"`, `"non-trainable"` (every variable's digest is
+            still checked on exit: one that changed without a copy is an
+            error naming it) or `"none"` (values neither read nor checked).
+        storage: also put back each variable's own storage and dtype (O2
+            and O3 give variables half storage; the float32 one is held).
+        undo: `"always"`, or `"on_error"` (an exception puts everything
+            back; `commit()` keeps what was done).
+
+    Example:
+
+    >>> with Preserved(model, saved="all") as kept:
+    ...     model.fit(x, y)
+    ...     kept.restore_variables()   # back to the weights on entry, and on exit again
     """
 
     SAVED = ("all", "non-trainable", "none")
@@ -68,22 +64,26 @@ class Preserved:
         self._undo = "never"
 
     def __enter__(self):
-        objects = _objects(self.model) + (list(self.model.variables) if self._storage else [])
+        variables = list(self.model.variables)
+        objects = _objects(self.model) + (variables if self._storage else [])
         self._objects = [(obj, _compat.object_state(obj)) for obj in objects]
-        self._variables = list(self.model.variables) if self._saved != "none" else []
-        self._records = advice.snapshot(self.model.variables)
+        if self._saved != "none":
+            self._variables = variables + list(getattr(self.model, "metrics_variables", []))
+        self._records = _state.snapshot(variables)
         trainable = {id(v) for v in self.model.trainable_variables}
         self._dir = tempfile.mkdtemp(prefix="kmix-preserved-")
+        entered = False
         try:
             for i, variable in enumerate(self._variables):
                 value = np.asarray(variable.numpy())
                 self._digests.append(digest(value))
-                if self._saved == "all" or (self._saved == "non-trainable" and id(variable) not in trainable):
+                if self._saved == "all" or id(variable) not in trainable:
                     self._files[i] = os.path.join(self._dir, f"{i}.npy")
                     np.save(self._files[i], value)
-        except BaseException:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            raise
+            entered = True
+        finally:
+            if not entered:
+                shutil.rmtree(self._dir, ignore_errors=True)
         return self
 
     def restore_layers(self):
@@ -91,26 +91,27 @@ class Preserved:
         for obj, state in self._objects:
             _compat.restore_object_state(obj, state)
 
-    def changed_variables(self):
-        """The variables whose value differs from the one on entry."""
-        return [v for v, d in zip(self._variables, self._digests) if digest(v) != d]
+    def restore_variables(self):
+        """Puts back the saved variables whose value changed; returns the paths of changed ones without a copy."""
+        lost = []
+        for i, (variable, before) in enumerate(zip(self._variables, self._digests)):
+            if digest(variable) == before:
+                continue
+            if i in self._files:
+                variable.assign(np.load(self._files[i]))
+            else:
+                lost.append(variable.path)
+        return lost
 
     def __exit__(self, *exc):
         if self._undo == "never" or (self._undo == "on_error" and exc[0] is None):
             shutil.rmtree(self._dir, ignore_errors=True)
             return False
-        lost = []
         try:
             with interrupts_deferred():  # a Ctrl-C while putting the model back would leave it half put back
                 self.restore_layers()
-                for i, (variable, before) in enumerate(zip(self._variables, self._digests)):
-                    if digest(variable) == before:
-                        continue
-                    if i in self._files:
-                        variable.assign(np.load(self._files[i]))
-                    else:
-                        lost.append(variable.path)
-                advice.restore(self._records)
+                lost = self.restore_variables()
+                _state.restore_records(self._records)
         finally:
             shutil.rmtree(self._dir, ignore_errors=True)
         if lost:
@@ -143,11 +144,11 @@ def interrupts_deferred():
 
 
 def _objects(model):
-    """The model, every layer inside it, and each functional graph's nodes and operations."""
+    """The model, every layer inside it, their dtype policies, and each functional graph's nodes and operations."""
     found, seen = [], set()
 
     def add(obj):
-        if id(obj) not in seen and hasattr(obj, "__dict__"):
+        if id(obj) not in seen:
             seen.add(id(obj))
             found.append(obj)
 

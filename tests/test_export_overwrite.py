@@ -83,7 +83,7 @@ def test_occupied_paths_are_refused_at_the_call(tmp_path, monkeypatch):
     model = mlp()
     (tmp_path / "notes").write_text("mine")
     calls = []
-    monkeypatch.setattr(pipeline.check, "sample_inputs", lambda *a: calls.append(a))  # never reached
+    monkeypatch.setattr(pipeline.check, "inputs_to_check", lambda *a: calls.append(a))  # never reached
     for overwrite in (False, True):
         with pytest.raises(ValueError, match=r"`filepath` names an existing file: a SavedModel is a directory"):
             export(model, str(tmp_path / "notes"), sample=X, verbose=False, overwrite=overwrite)

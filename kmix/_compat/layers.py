@@ -116,7 +116,8 @@ def node_inputs(operation, node_index):
 
 
 # ------------------------------------------------------------------------------------------
-# A functional graph's nodes, for `kmix.placing.settle`: a keras-hub backbone builds its graph
+# A functional graph's nodes, for autocast's settle stage (`kmix.placing.twin` reads them,
+# `kmix.placing.write` writes them): a keras-hub backbone builds its graph
 # in its constructor, and the `keras.ops` nodes there record what they saw (a constant cast to
 # the embedding's dtype, a `Cast` to `x.dtype`). `load_model` re-runs the constructor under the
 # placed policies; making the model in memory compute the same means reading and replacing
@@ -136,4 +137,50 @@ def node_call(node):
 
 def set_node_arguments(node, args, kwargs):
     """Gives `node` new call arguments (the same symbolic tensors, other constants)."""
-    node.arguments = type(node.arguments)(*args, **kwargs)
+    node.arguments = type(node.arguments)(*args, **kwargs)  # no public setter; checked on Keras 3.15
+
+
+# ------------------------------------------------------------------------------------------
+# What `kmix.autocast` reaches: its plan reads which configs list their layers (`kmix.placing.rules`),
+# its one writer (`kmix.placing.write`) changes a layer's class, policy map and tensors, a graph's settings.
+
+def lists_layers(model):
+    """Whether `model`'s config lists its layers' configs: a Sequential, or a functional model with Keras's constructor.
+
+    Keras's `Functional.get_config` lists the layers only where the class takes `Functional`'s
+    constructor arguments (its private `functional_like_constructor`); others (keras-hub backbones)
+    save their constructor's arguments. No public predicate says which. Checked on Keras 3.15.
+    """
+    import inspect
+
+    import keras
+
+    if isinstance(model, keras.Sequential):
+        return True
+    if not is_functional(model):
+        return False
+    spec = inspect.getfullargspec(type(model).__init__)
+    base = inspect.getfullargspec(keras_src.functional_class().__init__)
+    return spec.args[1:] == base.args[1:] or (spec.varargs is not None and spec.varkw is not None)
+
+
+def set_class(layer, cls):
+    """Makes `layer` an instance of `cls` (a subclass adding no state): the same object, weights and config."""
+    layer.__class__ = cls  # no public way to change a live layer's class; checked on Keras 3.15
+
+
+def replace_dtype_policy(layer, policy):
+    """Gives `layer` `policy` as its own, even where it holds a `DTypePolicyMap` (the setter writes into that map)."""
+    # The public setter writes into a held map, which other layers share; checked on Keras 3.15.
+    layer._dtype_policy = policy
+
+
+def set_layer_tensor(layer, name, value):
+    """Replaces a tensor `layer` holds as an attribute (public or private), as a build under another policy makes it."""
+    setattr(layer, name, value)  # it may be private (`_inv_freq`): no public setter; checked on Keras 3.15
+
+
+def set_operation_setting(operation, name, value):
+    """Sets a plain setting of a `keras.ops` operation in a functional graph (a `Cast`'s `dtype`)."""
+    setattr(operation, name, value)  # graph operations have no public setters; checked on Keras 3.15
+

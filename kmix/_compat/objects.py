@@ -1,19 +1,23 @@
-"""Putting a Keras object's class and attributes back as they were.
+"""Putting a Keras object's class, attributes and `call` back as they were.
 
-Keras has no public "snapshot and restore" of a layer: placing a model sets
-policies through public setters, but undoing that on every layer, graph node
-and operation (autocast also swaps classes and replaces constants) needs the
-objects' own `__dict__` and `__class__`. Checked on Keras 3.10-3.15.
+Keras has no public "snapshot and restore" of a layer, nor a public hook
+around one layer's call. Checked on Keras 3.10-3.15.
 """
+
+import contextlib
 
 
 def object_state(obj):
-    """`(class, shallow copy of its attributes, copies of its dict attributes)`: what `restore_object_state` puts back.
+    """`(class, shallow copy of its attributes, copies of its dict attributes)`, or None without a `__dict__`.
 
-    Dict attributes are copied one level down too: a keras-hub backbone's
-    `DTypePolicyMap` is shared by its layers and changed in place (its
-    `_policy_map`), not replaced.
+    Why: undoing autocast on every layer, graph node and operation (policies,
+    swapped classes, replaced constants) needs the objects' own `__dict__` and
+    `__class__`; a keras-hub `DTypePolicyMap` is changed in place (its
+    `_policy_map` dict), so dict attributes are copied one level down.
+    Checked on Keras 3.15.
     """
+    if not hasattr(obj, "__dict__"):
+        return None
     attrs = dict(vars(obj))
     return type(obj), attrs, {k: dict(v) for k, v in attrs.items() if type(v) is dict}
 
@@ -22,9 +26,11 @@ def restore_object_state(obj, state):
     """Gives `obj` the class and attributes `object_state` took; returns whether anything changed.
 
     Attributes are compared by identity, never with `==`: Keras's
-    `DTypePolicy.__eq__` raises against a `DTypePolicyMap` (keras-hub
-    backbones hold both), and a restore must not call user code.
+    `DTypePolicy.__eq__` raises against a `DTypePolicyMap`, and a restore
+    must not call user code.
     """
+    if state is None:
+        return False
     cls, attrs, dicts = state
     changed = False
     if type(obj) is not cls:
@@ -42,3 +48,27 @@ def restore_object_state(obj, state):
             held.update(contents)
             changed = True
     return changed
+
+
+@contextlib.contextmanager
+def calls_replaced(layers, make_call):
+    """Within the block `layers[i].call` is `make_call(layers[i], i)`; each layer's own is put back on exit.
+
+    Why: `kmix.diagnose` and autocast's trace read every layer's inputs and
+    outputs, nested layers included; Keras has no public per-layer call hook
+    (only `Model` callbacks), so the instance's `call` is replaced, never its
+    class's. Checked on Keras 3.15.
+    """
+    missing = object()
+    saved = []
+    try:
+        for i, layer in enumerate(layers):
+            saved.append((layer, vars(layer).get("call", missing)))
+            layer.call = make_call(layer, i)
+        yield
+    finally:
+        for layer, own in reversed(saved):
+            if own is missing:
+                vars(layer).pop("call", None)  # absent where an interrupt came before it was set
+            else:
+                layer.call = own

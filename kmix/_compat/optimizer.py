@@ -131,6 +131,25 @@ def loads_nothing(optimizer):
     optimizer.load_own_variables = lambda store: None
 
 
+def keras_loss_scale_apply():
+    """`keras.optimizers.LossScaleOptimizer.apply` as it is installed now."""
+    import keras
+
+    return keras.optimizers.LossScaleOptimizer.apply
+
+
+def set_keras_loss_scale_apply(fn):
+    """Installs `fn` as `keras.optimizers.LossScaleOptimizer.apply` (Keras's class and its subclasses).
+
+    Keras 3.15's class decides a step is finite from the first local replica only: under
+    MirroredStrategy another replica's inf reaches the weights. No argument or subclass hook fixes
+    it for optimizers Keras wraps itself (`compile` under mixed_float16). Checked on Keras 3.12-3.15.
+    """
+    import keras
+
+    keras.optimizers.LossScaleOptimizer.apply = fn
+
+
 def adam_slots(optimizer, variable):
     """`(momentum, velocity)`: a Keras `Adam` / `AdamW`'s two slot variables for `variable`.
 

@@ -100,7 +100,6 @@ def _worker(args):
     import keras
 
     import kmix
-    from kmix.optimizers import allreduce
 
     global_batch = ROWS_PER_WORKER * 2
     x = tf.random.stateless_normal((global_batch, args.width), (1, 2))
@@ -114,7 +113,7 @@ def _worker(args):
             opt = optimizers[dtype or "float32"] = kmix.wrap(keras.optimizers.SGD(1e-6), allreduce_dtype=dtype)
             opt.build(model.trainable_variables)
         params = model.count_params()
-        byte_counts[dtype or "float32"] = allreduce.bytes_per_step(model.trainable_variables, dtype)
+        byte_counts[dtype or "float32"] = _bytes_per_step(model.trainable_variables, dtype)
         step_fn = _step_fn(model, opt, lambda x, model=model: tf.reduce_sum(tf.square(model(x))) / global_batch)
         step = tf.function(lambda x, f=step_fn: strategy.reduce("SUM", strategy.run(f, args=(x,)), axis=None))
         steps[dtype or "float32"] = lambda step=step: [step(batch).numpy() for _ in range(args.steps)]
@@ -190,3 +189,14 @@ def _train_small(strategy, keras, kmix, dtype, steps):
 
 if __name__ == "__main__":
     main()
+
+
+def _bytes_per_step(variables, allreduce_dtype):
+    """Bytes one replica sends into the all-reduces per step: the gradients in that dtype (and float16's wire scales)."""
+    import tensorflow as tf
+
+    total = 0
+    for v in variables:
+        width = tf.as_dtype(allreduce_dtype or getattr(v.dtype, "name", v.dtype)).size
+        total += int(tf.size(v)) * width + (4 if allreduce_dtype == "float16" else 0)  # float16: one bound each
+    return total

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
+from kmix import _preserved
 from kmix.diagnose import data, graph, probe, report
 from kmix.policy import Policy
 from kmix.route.facts import fast_bfloat16
@@ -17,52 +18,31 @@ def diagnose(model, x, y=None, policy="mixed_float16", batches=4, batch_size=32,
              float32_layers=None):
     """Runs a float32 model on a few batches and finds what would fail under a half policy.
 
-    In float32, for every layer (nested layers included: the layers inside
-    custom layers, nested models and keras-hub backbones), it records the
-    largest |output| and the fractions of output values that overflow the
-    half dtype (inf once cast: from 65520 up in float16, past its maximum
-    65504) or flush to zero (nonzero, 0 once cast: at or below 2^-25, half
-    float16's smallest subnormal 2^-24); the same for the
-    activation gradients (the loss's gradient with respect to each layer's
-    output) and for every weight gradient. It then runs the same batches
-    with every layer computing in the policy's half dtype (the same weights,
-    cast; `kmix.layers.WithPolicy` layers keep their policy) and finds the
-    first layer, in call order, whose output is non-finite there although
-    finite in float32 and fed by finite inputs. A layer that turns non-finite
-    inside is traced in half precision, which shows a constant beyond the
-    half range (the hand-written `-1e9` mask) feeding a softmax.
-
-    The model, its weights (restored after the `training=True` calls that
-    move batch-norm statistics), its optimizer and the global dtype policy
-    are left as they were.
+    In float32 it records, per layer (nested ones included), the largest
+    |output| and the shares of outputs and gradients that overflow or flush
+    to zero in the half dtype; then it runs the same batches in the half
+    dtype and finds the first layer whose output turns non-finite from finite
+    inputs, tracing such a layer for a constant beyond the half range (a
+    `-1e9` mask) feeding a softmax. The model, its weights, its optimizer
+    and the global dtype policy are left as they were.
 
     Args:
         model: a compiled `keras.Model` computing in float32; its loss
             (`model.compute_loss`) gives the gradients.
         x: the inputs, as `model.fit` takes them: arrays or tensors (or a
-            list / dict of them), or a `tf.data.Dataset` of `(x, y)` or
-            `(x, y, sample_weight)` batches.
+            list / dict of them), or a `tf.data.Dataset` of `(x, y[, sample_weight])` batches.
         y: the targets, for array inputs; None with a dataset.
-        policy: the half-precision policy to check, anything `kmix.Policy`
-            accepts with float16 or bfloat16 compute (`"mixed_float16"`).
+        policy: the half policy to check, as `kmix.Policy` accepts it (`"mixed_float16"`).
         batches: how many batches to run, an int >= 1.
         batch_size: the batch size for array inputs.
-        bfloat16_available: whether the device that will train has bfloat16
-            hardware; None asks this machine (`kmix.device.fast_bfloat16()`:
-            GPUs of compute capability 8.0 or later, or with no GPU a CPU
-            with AVX512_BF16 or AMX-BF16 and oneDNN on). Only
+        bfloat16_available: whether the training device has bfloat16
+            hardware (None: `kmix.device.fast_bfloat16()`); only
             `recommended_policy` depends on it.
-        float32_layers: layer names or paths (`"t5/decoder_0/attention"`)
-            that the half run keeps in float32, everything inside them
-            included, as `kmix.autocast(float32_layers=...)` would place
-            them: what fails once they are placed. They are not reported.
+        float32_layers: layer names or paths the half run keeps in float32,
+            as `kmix.autocast(float32_layers=...)` would; not reported.
 
     Returns:
-        A `kmix.Diagnosis`: `first_nonfinite_layer`, `float32_layers` (names
-        `kmix.autocast(..., float32_layers=...)` accepts), `recommended_scale`,
-        `underflow_fraction(scale)`, `recommended_policy`, `findings`, the
-        per-layer `layers` rows; `print(diagnosis)` shows the table and
-        `diagnosis.plot(path)` saves the histograms as a PNG.
+        A `kmix.Diagnosis`; `print(diagnosis)` shows the table and findings.
 
     Raises:
         TypeError / ValueError: naming the argument, for a model that is not
@@ -90,23 +70,23 @@ def diagnose(model, x, y=None, policy="mixed_float16", batches=4, batch_size=32,
     limits = probe.HALF_RANGES[half]
     if not model.built:
         data.forward(model, found[0][0], training=False)
-    nodes = probe.layer_tree(model)
+    nodes = probe.layer_nodes(model)
     _keep(nodes, data.check_float32_layers(float32_layers, nodes))
     data.check_float32(nodes)
-    snapshot = [(v, v.numpy()) for v in list(model.variables) + list(model.metrics_variables)]
-    run = _Float32Run(nodes, half)
-    try:
+    run, flaky = _Float32Run(nodes, half), _HalfRun()
+    # The model's layers and variables (batch-norm statistics, seed states) come back as they were.
+    with _preserved.Preserved(model, saved="all") as kept:
         for bx, by, bsw in found:
             run.batch(model, bx, by, bsw)
-            _restore(snapshot)  # the half run starts from the same weights and random state
-        flaky = _HalfRun()
+            kept.restore_variables()  # the half run starts from the same weights and random state
+        for node in nodes:
+            if not node.kept:
+                node.layer.dtype_policy = f"mixed_{half}"
         # Constants such as -1e9 overflow as they are cast to float16: that is expected here.
-        with np.errstate(over="ignore", invalid="ignore"), probe.layer_policies(nodes, lambda n: None if n.kept else f"mixed_{half}"):
+        with np.errstate(over="ignore", invalid="ignore"):
             for bx, _, _ in found:
                 flaky.batch(model, nodes, bx)
             masks = graph.trace_nonfinite(flaky.calls, flaky.first_args, half, limits.max)
-    finally:
-        _restore(snapshot)
     return _decide(model, policy, run, flaky, masks, bfloat16_available, len(found))
 
 
@@ -115,11 +95,6 @@ def _keep(nodes, names):
     for node in nodes:  # parents come before their children
         if node.path in names or node.layer.name in names or (node.parent is not None and node.parent.kept):
             node.kept = True
-
-
-def _restore(snapshot):
-    for variable, value in snapshot:
-        variable.assign(value)
 
 
 class _Float32Run:
@@ -155,12 +130,7 @@ class _Float32Run:
                     f"failed with {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
                 ) from e
         self.losses.append(float(loss))
-        outputs, seen = [], set()
-        for _, outs, _ in calls:
-            for t in outs:
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    outputs.append(t)
+        outputs = list({id(t): t for _, outs, _ in calls for t in outs}.values())  # each tensor once
         variables = list(model.trainable_variables)
         grads = tape.gradient(loss, outputs + variables, unconnected_gradients=tf.UnconnectedGradients.NONE)
         grad_of = {id(t): g for t, g in zip(outputs, grads)}
@@ -201,9 +171,7 @@ def _all_finite(tensors):
 class _HalfRun:
     """The calls of the half-precision run: which layers turn non-finite, from what inputs.
 
-    A layer that raises in half precision (one that mixes a float32 constant
-    into float16 math) ends the run: `error` is `(node, exception)`, the node
-    being the innermost layer whose call was under way.
+    A layer that raises ends the run: `error` is `(innermost node under way, exception)`.
     """
 
     def __init__(self):
@@ -226,7 +194,7 @@ class _HalfRun:
         try:
             with probe.patched_calls(nodes, hook, start=running.append):
                 model(x, training=True)
-        except Exception as e:  # noqa: BLE001  any failure in half precision is a finding
+        except Exception as e:  # noqa: BLE001  a layer raising in half precision (any type, user code) is the finding
             if not running:
                 raise
             self.error = (running[-1], e)
@@ -269,7 +237,7 @@ def _decide(model, policy, run, flaky, masks, bfloat16_available, n_batches):
             del reasons[node]
     for node, row in run.stats.items():
         row.half_nonfinite = node in origins or node in downstream
-        row.verdict = _verdict(node, row, first, reasons, origins)
+        row.verdict = _verdict(node, row, first, reasons)
     float32_layers = list(dict.fromkeys(n.target for n in nodes if n in reasons))
     grad_max = max([r.gradient.max_abs for r in run.stats.values()] + [w.max_abs for w in run.weights.values()] + [0.0])
     if half == "bfloat16":
@@ -306,23 +274,12 @@ def _decide(model, policy, run, flaky, masks, bfloat16_available, n_batches):
     )
 
 
-def _verdict(node, row, first, reasons, origins):
+def _verdict(node, row, first, reasons):
     if row.output.nonfinite:
         return "non-finite in float32"
-    words = []
-    if node is first:
-        words.append("FIRST NON-FINITE")
-    reason = reasons.get(node)
-    if reason == "error":
-        words.append("raises in half precision")
-    elif reason == "mask":
-        words.append("-inf constant (mask)")
-    elif reason == "inside":
-        words.append("overflows inside")
-    elif reason == "output":
-        words.append("output overflows")
-    elif reason == "input":
-        words.append("input overflows")
+    words = ["FIRST NON-FINITE"] if node is first else []
+    if node in reasons:
+        words.append(probe.VERDICTS[reasons[node]])
     elif row.half_nonfinite:
         words.append("non-finite from upstream")
     if node.kept:

@@ -1,4 +1,4 @@
-"""The checks on `diagnose`'s arguments, and its batches."""
+"""The checks on `diagnose`'s arguments, its batches, and made-up inputs for a model's input specs."""
 
 import keras
 import numpy as np
@@ -105,12 +105,7 @@ def batches(x, y, count, batch_size):
 
 
 def _check_no_nan(found, dataset):
-    """Raises naming `x` or `y` when the batches diagnose would run hold NaN.
-
-    A NaN input makes the float32 loss NaN before any half dtype is involved:
-    there is nothing to diagnose. (Infinities pass: an input may be an
-    additive mask holding -inf.)
-    """
+    """Raises naming `x` or `y` when the batches hold NaN (infinities pass: an additive mask may hold -inf)."""
     for position, name in ((0, "x"), (1, "y")):
         nan = total = 0
         for batch in found:
@@ -167,3 +162,29 @@ def forward(model, x, argument="x", training=False):
             f"`{argument}` does not fit model {model.name!r}'s inputs: calling the model on a batch of "
             f"`{argument}` failed with {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
         ) from e
+
+
+def sample_inputs(specs, rows=2, length=8, seed=0, vocab=None):
+    """Made-up NumPy inputs for `specs` (`tf.TensorSpec`s): `rows` rows, open axes `length` long.
+
+    Floats are standard normal in the spec's dtype; bools and inputs named
+    like a mask are ones; other integers (token ids) ones, or below `vocab`.
+
+    Example:
+
+    >>> sample_inputs({"ids": tf.TensorSpec((None, None), "int32")}, vocab=100)["ids"].shape
+    (2, 8)
+    """
+    rng = np.random.default_rng(seed)
+
+    def make(path, spec):
+        shape = [rows if i == 0 else (length if d is None else d) for i, d in enumerate(spec.shape)]
+        dtype = keras.backend.standardize_dtype(spec.dtype)
+        if keras.backend.is_float_dtype(dtype):
+            return rng.standard_normal(shape).astype(dtype)
+        if vocab is None or dtype == "bool" or "mask" in "/".join(str(p) for p in path).lower():
+            return np.ones(shape, dtype)
+        return rng.integers(0, vocab, size=shape).astype(dtype)
+
+    flat = keras.tree.flatten_with_path(specs)
+    return keras.tree.pack_sequence_as(specs, [make(path, spec) for path, spec in flat])

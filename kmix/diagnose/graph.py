@@ -1,10 +1,9 @@
 """What a layer computes inside: constants beyond the half range, and whether they reach a softmax.
 
-A layer whose inputs are finite and whose output is not, in half precision,
-is traced again (with `tf.function`, never run) and its graph read: a
-constant that is -inf in float16 (a Python `-1e9` in a hand-written mask) or
-a float32 constant beyond the half range cast to it, and whether any path
-from it reaches a `Softmax` op.
+A layer whose inputs are finite and output is not, in half precision, is
+traced again (never run) and its graph read for a constant that is inf in
+the half dtype (a Python `-1e9` mask) or a float32 one beyond its range cast
+to it, and whether a path from it reaches a `Softmax`.
 """
 
 import numpy as np
@@ -14,17 +13,10 @@ TRACE_LIMIT = 32  # layers whose half-precision graph is inspected
 
 
 def trace_nonfinite(calls, first_args, half, limit):
-    """For layers that turn non-finite in half, the constants beyond the half range inside them.
+    """`{node: (values, feeds_softmax)}`: the constants beyond `limit` inside the layers that turn non-finite in `half`.
 
-    Args:
-        calls: per batch, `[(node, inputs_finite, outputs_finite)]` of the half run.
-        first_args: `{node: (args, kwargs)}` of each node's first non-finite call.
-        half: the half dtype's name.
-        limit: its largest finite value.
-
-    Returns:
-        {node: (values, feeds_softmax)}, innermost layers only: a block
-        whose sub-layer already shows the constant is not listed again.
+    `calls` are the half run's `[(node, inputs_finite, outputs_finite)]` per
+    batch, `first_args` each node's first non-finite call; innermost layers only.
     """
     found = {}
     order = [node for batch in calls for node, _, ok in batch if not ok]
@@ -35,8 +27,8 @@ def trace_nonfinite(calls, first_args, half, limit):
         try:
             fn = tf.function(lambda a, k, layer=node.layer: layer(*a, **k), autograph=False)
             graph = fn.get_concrete_function(args, kwargs).graph
-        except Exception:  # noqa: BLE001  a layer that cannot be traced is simply not inspected
-            continue
+        except (TypeError, ValueError, AttributeError, NotImplementedError, tf.errors.OpError):
+            continue  # a layer that cannot be traced (Python on tensors, numpy calls) is not inspected
         values, softmax = big_constants(graph, half, limit)
         if values:
             found[node] = (values, softmax)

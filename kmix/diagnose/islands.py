@@ -1,22 +1,15 @@
-"""The float32 islands a diagnosis of one batch advises: plain data for `kmix.autocast(sample=...)`.
+"""The float32 islands a diagnosis of one batch advises, for `kmix.autocast(sample=...)`.
 
-`kmix.diagnose` runs the float32 model on the batch, then every layer in the
-level's half dtype, and names the layers to keep in float32 (their outputs
-or inputs overflow, or a `-1e9` mask inside them becomes `-inf`) and the
-initial loss scale that keeps the largest gradient 8x below the half
-maximum. Non-finite values from the first failing layer hide any later one,
-so the diagnosis runs again with what it found kept in float32:
+Non-finite values from the first failing layer hide any later one, so the
+diagnosis runs again with what it found kept in float32:
 
 ```
 targets = {}
 repeat (at most ROUNDS times):
     d = kmix.diagnose(model, x, y, policy, float32_layers=targets)
-    new = what d names (a block whose inside a reload cannot reach: the layers in it at fault)
+    new = what d names (inside a block a reload cannot reach into: the layers at fault)
     stop if nothing is new or nothing is non-finite;  targets += new
 ```
-
-`advise` hands back the targets (layer names or paths to keep in float32)
-and the scale; `kmix.autocast` places them before anything runs in half.
 """
 
 import keras
@@ -34,26 +27,14 @@ _NOT_A_CAUSE = ("FIRST NON-FINITE", "non-finite from upstream", "non-finite in f
 
 
 class Advice:
-    """What the diagnosis of a sample advises.
-
-    Attributes:
-        targets: `{layer name or path: the finding}` to keep in float32.
-        initial_scale: the advised initial loss scale, or None.
-        x: the sample's inputs, to check the placed model on.
-    """
+    """What a diagnosis advises: `targets` `{layer name or path: finding}`, `initial_scale`, the inputs `x`."""
 
     def __init__(self, targets, initial_scale, x):
         self.targets, self.initial_scale, self.x = targets, initial_scale, x
 
 
 def advise(model, policy, sample):
-    """The `Advice` of `kmix.diagnose` for `model` on `sample`, or None under float32 compute.
-
-    Args:
-        model: the float32 model `autocast` received, compiled with its loss.
-        policy: the `kmix.Policy` it is placed under.
-        sample: what `autocast` received as `sample`.
-    """
+    """The `Advice` of `kmix.diagnose` for the compiled float32 `model` on `sample` under `policy` (None: float32)."""
     x, y = check_sample(sample)
     if policy.compute_dtype == "float32":
         return None
@@ -88,11 +69,9 @@ def advise(model, policy, sample):
 def _targets(model, diagnosis):
     """`{layer name or path: the finding}` to keep in float32.
 
-    The diagnosis names the outermost layer a user can address (a keras-hub
-    block). Where it found the cause on layers inside that block which keep
-    their names in a reload (T5: the attentions that build `-1e9` masks),
-    those layers are kept float32, by path, and the rest of the block stays
-    half; otherwise the whole block is.
+    The diagnosis names the outermost addressable layer (a keras-hub block);
+    where the cause lies on layers inside it that keep their names in a
+    reload (T5's attentions), those are kept by path, else the whole block.
     """
     by_path = {path: layer for path, layer, _ in walk(model)}
     causes = {}  # diagnosis row path -> (its target name, the cause it names)
@@ -154,6 +133,7 @@ def merge(float32_layers, names):
 
 
 def as_list(float32_layers):
+    """`float32_layers` (None, a class, a name, or a list of them) as a list."""
     if float32_layers is None:
         return []
     if isinstance(float32_layers, (str, type)):

@@ -7,8 +7,6 @@ import numpy as np
 from kmix.diagnose import probe
 
 _PER_BAR = 4  # bins of the histogram's 16 per octave grouped into one bar
-_REASONS = {"mask": "-inf mask inside", "output": "output overflows", "inside": "overflows inside",
-            "input": "input overflows", "error": "raises in half"}
 
 
 def plot_diagnosis(diagnosis, path):
@@ -88,7 +86,7 @@ def _activations(ax, d):
         ax.scatter(xs[flagged], values[flagged], s=45, color="tab:red", marker="D", zorder=4,
                    label="needs float32 (see the findings)")
         for i in np.nonzero(flagged)[0]:
-            ax.annotate(_REASONS[d._reasons[rows[i].path][0]], xy=(xs[i], values[i]), xytext=(4, -12),
+            ax.annotate(probe.VERDICTS[d._reasons[rows[i].path][0]], xy=(xs[i], values[i]), xytext=(4, -12),
                         textcoords="offset points", fontsize=7, color="tab:red")
     if d.first_nonfinite_layer is not None:
         i = next(i for i, r in enumerate(rows) if r.path == d.first_nonfinite_layer)
@@ -114,6 +112,5 @@ def _short(path, width=30):
 
 
 def _pct(fraction):
-
     text = probe.percent(fraction)
     return text if text.endswith("%") else text + "%"

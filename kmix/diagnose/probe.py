@@ -1,11 +1,4 @@
-"""What every layer of a model outputs, and the gradients flowing into it.
-
-A probe replaces `layer.call` on the layer *instance* (never its class) with
-a wrapper that hands the call's inputs and outputs to a hook, for every
-layer of the model, nested ones included (the layers inside a custom layer,
-a nested model or a keras-hub backbone). `patched_calls` puts every
-original back in a `finally`, so the model is left exactly as it was.
-"""
+"""What every layer of a model outputs, and the gradients flowing into it: per-layer hooks and statistics."""
 
 import collections
 import contextlib
@@ -16,6 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from kmix import _compat
+from kmix._tree import walk
 
 HalfRange = collections.namedtuple("HalfRange", "max min_normal min_subnormal")
 HALF_RANGES = {
@@ -25,17 +19,12 @@ HALF_RANGES = {
 
 
 class LayerNode:
-    """One layer of the model's tree.
+    """One layer of the model's tree: `layer`, `path`, `parent` node (None at the top), `target` and `kept`.
 
-    Attributes:
-        layer: the layer.
-        path: its place in the tree, `"attention0/qkv"`.
-        target: the name `kmix.autocast(float32_layers=...)` accepts for it:
-            its own name when the layer is in a `model.layers` (of the model
-            or of a nested model), else its nearest such ancestor's.
-        parent: the enclosing `LayerNode`, or None at the top.
-        kept: whether the layer is a `kmix.layers.WithPolicy` or inside one:
-            it keeps its own policy in the half-precision run.
+    `target` is the name `kmix.autocast(float32_layers=...)` accepts for it:
+    its own where the layer is in a `model.layers` (of the model or a nested
+    model), else its nearest such ancestor's. `kept`: a `kmix.layers.WithPolicy`
+    or inside one, it keeps its own policy in the half-precision run.
     """
 
     __slots__ = ("layer", "path", "target", "parent", "kept")
@@ -51,33 +40,23 @@ class LayerNode:
             node = node.parent
 
 
-def layer_tree(model):
-    """Every layer inside `model` (not `model` itself, nor input layers) as `LayerNode`s, depth first."""
+def layer_nodes(model):
+    """Every layer inside `model` (`kmix._tree.walk`'s order) as a `LayerNode`."""
     from kmix.layers import WithPolicy
 
-    addressable = set()
-
-    def collect(m):
-        for layer in m.layers:
+    addressable, models = set(), [model]
+    while models:
+        for layer in models.pop().layers:
             addressable.add(id(layer))
             if isinstance(layer, keras.Model):
-                collect(layer)
-
-    collect(model)
-    nodes, seen = [], {id(model)}
-
-    def walk(layer, parent, prefix, kept):
-        for sub in _compat.sublayers(layer):
-            if id(sub) in seen or isinstance(sub, keras.layers.InputLayer):
-                continue
-            seen.add(id(sub))
-            target = sub.name if id(sub) in addressable else parent.target if parent else sub.name
-            node = LayerNode(sub, prefix + sub.name, target, parent, kept or isinstance(sub, WithPolicy))
-            nodes.append(node)
-            walk(sub, node, node.path + "/", node.kept)
-
-    walk(model, None, "", False)
-    return nodes
+                models.append(layer)
+    nodes = {}
+    for path, layer, parent in walk(model):
+        up = nodes.get(id(parent))
+        target = layer.name if id(layer) in addressable or up is None else up.target
+        kept = isinstance(layer, WithPolicy) or (up is not None and up.kept)
+        nodes[id(layer)] = LayerNode(layer, path, target, up, kept)
+    return list(nodes.values())
 
 
 @contextlib.contextmanager
@@ -85,60 +64,25 @@ def patched_calls(nodes, hook, start=None):
     """Within the block, each eager call of a node's layer runs `hook(node, args, kwargs, outputs)`.
 
     `start(node)`, if given, runs as each such call begins (a block starts
-    before its sub-layers, and ends after them).
-    Calls made while tracing a graph (symbolic tensors, `tf.function`) are
-    not reported. Every layer's own `call` is restored on exit.
+    before its sub-layers). Calls made while tracing a graph are not reported.
     """
-    with wrapped_calls([node.layer for node in nodes],
-                       lambda layer, i: _wrap(layer.call, nodes[i], hook, start)):
+
+    def make_call(layer, i):
+        original, node = layer.call, nodes[i]
+
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            if start is not None and tf.executing_eagerly():
+                start(node)
+            outputs = original(*args, **kwargs)
+            if tf.executing_eagerly():
+                hook(node, args, kwargs, outputs)
+            return outputs
+
+        return call
+
+    with _compat.calls_replaced([node.layer for node in nodes], make_call):
         yield
-
-
-@contextlib.contextmanager
-def wrapped_calls(layers, make_call):
-    """Within the block, `layers[i].call` is `make_call(layers[i], i)`; each layer's own is put back on exit."""
-    missing = object()
-    saved = []
-    try:
-        for i, layer in enumerate(layers):
-            saved.append((layer, vars(layer).get("call", missing)))
-            layer.call = make_call(layer, i)
-        yield
-    finally:
-        for layer, own in reversed(saved):
-            if own is missing:
-                vars(layer).pop("call", None)  # absent where an interrupt came before it was set
-            else:
-                layer.call = own
-
-
-def _wrap(original, node, hook, start):
-    @functools.wraps(original)
-    def call(*args, **kwargs):
-        if start is not None and tf.executing_eagerly():
-            start(node)
-        outputs = original(*args, **kwargs)
-        if tf.executing_eagerly():
-            hook(node, args, kwargs, outputs)
-        return outputs
-
-    return call
-
-
-@contextlib.contextmanager
-def layer_policies(nodes, policy_of):
-    """Within the block each node's layer has the dtype policy `policy_of(node)` (None: unchanged)."""
-    saved = []
-    try:
-        for node in nodes:
-            policy = policy_of(node)
-            if policy is not None:
-                saved.append((node.layer, node.layer.dtype_policy))
-                node.layer.dtype_policy = policy
-        yield
-    finally:
-        for layer, policy in reversed(saved):
-            layer.dtype_policy = policy
 
 
 def floating(structure):
@@ -152,15 +96,10 @@ def floating(structure):
 
 
 class TensorStats:
-    """Running counts over floating tensors, against a half dtype's range.
+    """Running counts over floating tensors against a half dtype's range.
 
-    Attributes:
-        size: values seen.
-        nonzero: finite nonzero values.
-        nonfinite: inf or NaN values.
-        overflow: finite values that are inf once cast to the half dtype.
-        underflow: nonzero values that are 0 once cast to the half dtype.
-        max_abs: the largest finite |value| (0.0 when none).
+    `size` values seen: `nonzero` (finite), `nonfinite`, `overflow` (finite,
+    inf once cast), `underflow` (nonzero, 0 once cast); `max_abs`, the largest finite |value|.
     """
 
     __slots__ = ("size", "nonzero", "nonfinite", "overflow", "underflow", "max_abs")
@@ -196,12 +135,7 @@ class TensorStats:
 
 
 class Log2Histogram:
-    """Counts of nonzero |values| by log2, `BINS_PER_OCTAVE` bins per power of two.
-
-    Bin edges fall on exact powers of two, so the fraction of values below a
-    power of two (what flushes to zero in float16 at a power-of-two loss
-    scale) is exact; other thresholds are resolved to 1/16 of an octave.
-    """
+    """Counts of nonzero |values| by log2, `BINS_PER_OCTAVE` bins per power of two (edges on exact powers)."""
 
     BINS_PER_OCTAVE = 16
     LOW, HIGH = -150, 129  # float32 runs from 2^-149 (subnormal) to below 2^128
@@ -247,3 +181,8 @@ def percent(fraction):
     if fraction < 1e-4:
         return "<0.01%"
     return f"{100 * fraction:.2g}%" if fraction < 0.1 else f"{100 * fraction:.0f}%"
+
+
+# The words of a verdict, in the table and on the PNG.
+VERDICTS = {"error": "raises in half precision", "mask": "-inf constant (mask)", "inside": "overflows inside",
+            "output": "output overflows", "input": "input overflows"}  # why a layer belongs in float32

@@ -16,14 +16,10 @@ class LayerStats:
     Attributes:
         path: the layer's place in the model, `"attention0/qkv"`.
         target: the name `kmix.autocast(float32_layers=...)` accepts for it.
-        class_name: the layer's class.
-        calls: how many times it ran.
-        output, gradient: `TensorStats` of its float32 outputs and of the
-            loss's gradients with respect to them (`size`, `max_abs`,
-            `overflow`, `underflow`, ... counts against the half dtype).
+        class_name, calls: the layer's class, and how many times it ran.
+        output, gradient: `TensorStats` of its float32 outputs and of the loss's gradients with respect to them.
         input_max: the largest finite |input| it received in float32.
-        half_nonfinite: whether its output was non-finite in the half run
-            (and finite in float32).
+        half_nonfinite: whether its output was non-finite in the half run (and finite in float32).
         verdict: a few words for the table.
     """
 
@@ -46,27 +42,20 @@ class Diagnosis:
         policy: the `kmix.Policy` that was checked.
         first_nonfinite_layer: the path of the first layer (in call order)
             whose output is non-finite under `policy` although finite in
-            float32 and fed by finite inputs (where the non-finite values
-            start); if non-finite values start between layers, the first
-            layer they reach. None when every output stays finite.
-        float32_layers: names of layers to keep in float32 (their outputs or
-            inputs overflow the half dtype, or something inside them does, such
-            as an additive mask fed to a softmax), as
+            float32 (fed by finite inputs where one is); None when all stay finite.
+        float32_layers: names of layers to keep in float32, as
             `kmix.autocast(model, level, float32_layers=...)` accepts them.
         recommended_scale: the initial loss scale: the largest power of two
-            that keeps the largest gradient 8x below the half maximum (1.0
+            keeping the largest gradient 8x below the half maximum (1.0
             under bfloat16; None when no gradient was nonzero).
-        recommended_policy: a `kmix.Policy`: `mixed_bfloat16` when
+        recommended_policy: a `kmix.Policy`: `mixed_bfloat16` where
             activations overflow float16 and the device has bfloat16
-            hardware; O1 (with `float32_layers`) when some layer must stay in
-            float32; otherwise `policy`.
+            hardware; O1 where some layer must stay float32; else `policy`.
         findings: one line per finding, each naming the layer and the fix.
-        half_error: `(layer path, exception)` when the model raised under
-            `policy` (a layer mixing float32 into half-precision math), else None.
+        half_error: `(layer path, exception)` when the model raised under `policy`, else None.
         layers: a `LayerStats` row per layer that ran, in call order.
         weight_gradients: `{variable path: TensorStats}` of the weight gradients.
-        histogram: the `Log2Histogram` of every nonzero gradient value
-            (activation and weight gradients) in float32.
+        histogram: the `Log2Histogram` of every nonzero float32 gradient value.
         losses: the float32 loss of each batch.
 
     Example:
@@ -91,11 +80,9 @@ class Diagnosis:
         self.findings = self._findings()
 
     def underflow_fraction(self, scale=1.0):
-        """The fraction of nonzero gradient values that flush to zero in the half dtype at `scale`.
+        """The fraction of nonzero gradient values that flush to zero in the half dtype at `scale` (0 once cast).
 
-        A value flushes when `|g| * scale` is 0 once cast: at or below half
-        the smallest subnormal (2^-25 in float16). Exact for powers of two,
-        within 1/16 of an octave otherwise.
+        Exact for powers of two, within 1/16 of an octave otherwise.
 
         Args:
             scale: the loss scale, > 0.
@@ -238,12 +225,6 @@ class Diagnosis:
 
     def plot(self, path):
         """Saves a PNG: the gradient histogram against the half ranges, and max |activation| per layer.
-
-        Left, as in Micikevicius et al. ("Mixed Precision Training", Figure 3):
-        the histogram of log2 |gradient| over activation and weight gradients,
-        with the half dtype's normal and subnormal ranges shaded and the
-        histogram shifted by the recommended scale drawn over it. Right: each
-        layer's largest |output| in float32 against the half maximum.
 
         Args:
             path: the PNG's path.

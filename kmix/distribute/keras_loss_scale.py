@@ -6,8 +6,9 @@ The wrapped `apply` all-reduces a "non-finite" flag and, where any replica overf
 gradients non-finite, so every replica skips; finite steps pass unchanged.
 """
 
-import keras
 import tensorflow as tf
+
+from kmix import _compat
 
 _state = {"keras_apply": None}
 
@@ -50,12 +51,12 @@ def _make_apply(keras_apply):
 def install():
     """Wraps `keras.optimizers.LossScaleOptimizer.apply` (and so its subclasses'); idempotent."""
     if _state["keras_apply"] is None:
-        _state["keras_apply"] = keras.optimizers.LossScaleOptimizer.apply
-        keras.optimizers.LossScaleOptimizer.apply = _make_apply(_state["keras_apply"])
+        _state["keras_apply"] = _compat.keras_loss_scale_apply()
+        _compat.set_keras_loss_scale_apply(_make_apply(_state["keras_apply"]))
 
 
 def uninstall():
     """Puts Keras's own `apply` back."""
     if _state["keras_apply"] is not None:
-        keras.optimizers.LossScaleOptimizer.apply = _state["keras_apply"]
+        _compat.set_keras_loss_scale_apply(_state["keras_apply"])
         _state["keras_apply"] = None

@@ -85,23 +85,6 @@ def wire_scales(bounds):
     return tf.where(tf.math.is_finite(bounds), scale, tf.ones_like(scale))
 
 
-def bytes_per_step(variables, allreduce_dtype):
-    """Bytes one replica sends into the all-reduces per step: the gradients in that dtype (and float16's wire scales)."""
-    total = 0
-    for v in variables:
-        size = 1
-        for d in v.shape:
-            size *= int(d)
-        width = tf.as_dtype(allreduce_dtype).size if allreduce_dtype else tf.as_dtype(_dtype_name(v)).size
-        total += size * width + (4 if allreduce_dtype == "float16" else 0)  # one float32 bound per variable
-    return total
-
-
-def _dtype_name(v):
-    dtype = v.dtype
-    return getattr(dtype, "name", dtype)
-
-
 def _times(x, multiplier):
     x = tf.cast(x, tf.float32)
     return x if multiplier is None else x * tf.cast(multiplier, tf.float32)

@@ -1,4 +1,4 @@
-"""`kmix.autocast`: the user's own model placed by precision, in place (plan -> place -> check)."""
+"""`kmix.autocast`: the user's model placed by precision, in place: facts, plan, place, twin, settle, repair, check."""
 
 from kmix.placing.autocast import AutocastTable, Placement, autocast
 

@@ -1,23 +1,10 @@
-"""Whether a normalization layer computes its statistics in float32 under a half policy.
+"""Whether a normalization layer computes its statistics in float32 under a half policy, measured once per class.
 
-Keras's own norms (`LayerNormalization`, `RMSNormalization`,
-`BatchNormalization`, ...) and most of keras-hub's (`LlamaLayerNorm`,
-Gemma's `RMSNormalization`, `MistralLayerNormalization`) cast their input
-to float32, compute mean and variance there and hand back the compute
-dtype. Others square their input in the compute dtype: keras-hub's
-`T5LayerNorm` gives `inf` in float16 once |x| > 256 (256^2 = 65536 > 65504).
-Inside a block, the first kind keeps the block's half policy (the block adds
-its output to raw half tensors); the second must compute in float32.
-
-Which kind a class is, is measured once per class and config:
-
-```
-a, b = the layer's class from its config under "float32" and under "mixed_float16", same weights
-x = normal values of |x| ~ 1000, exactly representable in float16 (x^2 ~ 1e6 > 65504)
-float32 statistics  <=>  b(x) is finite and max|b(x) - a(x)| <= TOLERANCE * max|a(x)|
-```
+Built from its config under "float32" and "mixed_float16" with the same weights and called on |x| ~ `SCALE`
+(squares past 65504): float32 statistics <=> a finite half output within `TOLERANCE` of the float32 one.
 """
 
+import collections
 import inspect
 import json
 import warnings
@@ -25,69 +12,45 @@ import warnings
 import keras
 import numpy as np
 
+from kmix.placing import trace
+
 SCALE = 1000.0  # |x| of the probe's inputs: squares near 1e6, past float16's 65504
 TOLERANCE = 2e-2  # float16 output rounding (2^-11 relative) with room to spare
 _MAX_ELEMENTS = 2**16
 _CACHE = {}  # (class, config without name and dtype) -> Verdict
 
 
-class Verdict:
-    """What the probe found for one normalization class.
-
-    Attributes:
-        float32: True when the class computes its statistics in float32 under
-            a half policy, False when in half, None when it could not be probed.
-        detail: a few words for the autocast table's `why` column.
-        error: the half instance's largest error on the probe, relative to
-            the float32 output's largest value (inf when non-finite; None
-            when not probed).
-    """
-
-    def __init__(self, float32, detail, error=None):
-        self.float32, self.detail, self.error = float32, detail, error
-
-    def __repr__(self):
-        return f"Verdict(float32={self.float32}, {self.detail!r}, error={self.error})"
+Verdict = collections.namedtuple("Verdict", "float32 detail error", defaults=(None,))
+Verdict.__doc__ = """What the probe found for one class: `float32` True (float32 statistics under a half
+policy), False (half) or None (not probed); a `detail` for the table; the half output's largest `error`
+relative to the float32 one's largest value (inf when non-finite, None when not probed)."""
 
 
 def probe(layer):
-    """The `Verdict` for `layer`'s class and config (measured once, then cached).
-
-    Args:
-        layer: a built normalization layer.
-
-    Returns:
-        A `Verdict`.
-    """
+    """The `Verdict` for a built normalization `layer`'s class and config (measured once, then cached)."""
     try:
         config = {k: v for k, v in layer.get_config().items() if k not in ("name", "dtype")}
     except NotImplementedError:  # made with a non-serializable argument (a policy map as dtype)
         config = {}  # the class's defaults: the same arithmetic
     key = (type(layer), json.dumps(config, sort_keys=True, default=repr))
     if key not in _CACHE:
-        try:
-            with warnings.catch_warnings():  # the layer's own warnings were shown when it was made
-                warnings.simplefilter("ignore")
-                _CACHE[key] = _measure(layer, config)
-        except Exception as e:  # noqa: BLE001  any failure means "unknown", never a crash of autocast
-            _CACHE[key] = Verdict(None, f"not probed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+        with warnings.catch_warnings():  # the layer's own warnings were shown when it was made
+            warnings.simplefilter("ignore")
+            verdict, e = trace.attempt(_measure, layer, config)
+        _CACHE[key] = verdict or Verdict(None, f"not probed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
     return _CACHE[key]
 
 
 def _measure(layer, config):
     shape = _probe_shape(layer)
     x = np.random.default_rng(0).normal(0.0, SCALE, shape).astype("float16").astype("float32")
-    outputs = {}
-    weights = None
+    outputs, weights = {}, None
     for dtype in ("float32", "mixed_float16"):
         clone = type(layer).from_config({**config, "dtype": dtype, "name": f"kmix_probe_{dtype}"})
         clone.build(shape)
-        if weights is None:
-            weights = clone.get_weights()
-        else:
-            clone.set_weights(weights)
-        kwargs = {"training": True} if "training" in inspect.signature(clone.call).parameters else {}
-        out = clone(x, **kwargs)
+        weights = clone.get_weights() if weights is None else weights
+        clone.set_weights(weights)
+        out = clone(x, **({"training": True} if "training" in inspect.signature(clone.call).parameters else {}))
         if isinstance(out, (list, tuple, dict)):
             raise TypeError("returns more than one tensor")
         outputs[dtype] = keras.ops.convert_to_numpy(keras.ops.cast(out, "float32"))
@@ -95,9 +58,7 @@ def _measure(layer, config):
     peak = float(np.max(np.abs(reference)))
     if not np.all(np.isfinite(reference)) or peak == 0.0:
         raise ValueError("its float32 output is not finite or all zero on the probe")
-    if not np.all(np.isfinite(half)):
-        return Verdict(False, "statistics in half (probed)", error=float("inf"))
-    error = float(np.max(np.abs(half - reference))) / peak
+    error = float(np.max(np.abs(half - reference))) / peak if np.all(np.isfinite(half)) else float("inf")
     if error > TOLERANCE:
         return Verdict(False, "statistics in half (probed)", error=error)
     return Verdict(True, "statistics in float32 (probed)", error=error)

@@ -1,38 +1,21 @@
-"""What `kmix.recommend` receives, checked at the call: the batch it times, the loss and the optimizer.
-
-Bad arguments are refused before anything is timed, naming the argument: a
-batch of 0 rows, targets whose rows do not match the inputs', inputs the
-model cannot take, an optimizer that is none. A batch holding NaN or inf is
-timed (a skipped step costs what a step costs), and the recommendation says
-so. Every route compiles with a fresh optimizer of the user's settings at
-learning rate 0 (`fresh_optimizer`, `still_at_zero`).
+"""What `kmix.recommend` receives, checked at the call, naming the argument: the batch, the loss, the optimizer.
 
     >>> x, y, described = first_batch(x_train, y_train, None, 32)   # "a batch of 32 rows"
     >>> check_fits(model, x, "x")          # ValueError naming `x` when the model cannot take it
-    >>> nonfinite_notes((x, y, "a batch"))  # [] or one line per argument holding NaN / inf
 """
 
+import keras
 import numpy as np
+import tensorflow as tf
 
 BATCH_SIZE = 32  # rows timed when `batch_size` is not given, as `fit`'s default
 
 
 def first_batch(x, y, sample, batch_size):
-    """One batch `(x, y, description)` of tensors from what `kmix.recommend` received.
+    """One batch `(x, y, description)` of tensors from `recommend`'s `x`, `y` (or a dataset) or `sample`.
 
-    Args:
-        x, y: arrays (or structures of them) with one row per example, or
-            `x` a `tf.data.Dataset` of `(x, y)` batches and `y` None.
-        sample: instead of `x`, `y`: one batch `(x, y)` or a dataset.
-        batch_size: rows timed from arrays (`BATCH_SIZE` when None).
-
-    Returns:
-        `(x, y, description)`. A ValueError naming the argument where the
-        batch has no rows or `y`'s rows do not match `x`'s.
+    A ValueError names the argument where the batch has no rows or `y`'s rows do not match `x`'s.
     """
-    import keras
-    import tensorflow as tf
-
     if sample is not None:
         if x is not None or y is not None:
             raise ValueError("Pass the data as `x=`, `y=` or as `sample=`, not both. "
@@ -82,8 +65,6 @@ def _check_rows(x, y, x_name, y_name):
 
 def _rows(data, name):
     """The rows every array of `data` has; a ValueError naming `name` where they differ or one has no axis."""
-    import keras
-
     shapes = [_shape(t) for t in keras.tree.flatten(data)]
     rows = {shape[0] if shape else None for shape in shapes}
     if None in rows or len(rows) != 1:
@@ -98,24 +79,11 @@ def _shape(array):
 
 
 def _tensors(data):
-    import keras
-    import tensorflow as tf
-
     return keras.tree.map_structure(tf.convert_to_tensor, data)
 
 
 def check_optimizer(optimizer):
-    """`optimizer` as `kmix.recommend` takes it, or an error naming it.
-
-    Args:
-        optimizer: None, a Keras optimizer (a loss-scale one included), its
-            name (`"adamw"`) or its config dict.
-
-    Returns:
-        `optimizer`, unchanged.
-    """
-    import keras
-
+    """`optimizer` unchanged where it is None, a Keras optimizer, its name or its config dict; else an error."""
     if optimizer is None or isinstance(optimizer, keras.optimizers.Optimizer):
         return optimizer
     if isinstance(optimizer, (str, dict)):
@@ -131,8 +99,6 @@ def check_optimizer(optimizer):
 
 def training_setup(model, loss, optimizer):
     """The loss and optimizer each route compiles with: the arguments, else the model's compile."""
-    import keras
-
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model. Received: model of type {type(model).__name__}.")
     loss = loss if loss is not None else getattr(model, "loss", None)
@@ -144,12 +110,7 @@ def training_setup(model, loss, optimizer):
 
 
 def fresh_optimizer(optimizer, learning_rate=None):
-    """A new optimizer with `optimizer`'s settings (the inner one of a loss-scale optimizer).
-
-    `learning_rate`, when given, replaces the configured one (a schedule included).
-    """
-    import keras
-
+    """A new optimizer with `optimizer`'s settings (a loss-scale one's inner), `learning_rate` replacing its own."""
     if isinstance(optimizer, (str, dict)):
         optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
@@ -157,19 +118,15 @@ def fresh_optimizer(optimizer, learning_rate=None):
     config = optimizer.get_config()
     if learning_rate is not None:
         config["learning_rate"] = learning_rate
-    return optimizer.__class__.from_config(config)
+    return type(optimizer).from_config(config)
 
 
 def still_at_zero(optimizer):
-    """Whether `optimizer`'s kind, at learning rate 0, leaves a variable bit for bit as it was.
+    """Whether `optimizer`'s kind, at learning rate 0, leaves a scratch variable bit for bit as it was (two steps).
 
-    Tried on a scratch variable, two steps of a gradient drawn at random
-    (Keras's optimizers, weight decay included, scale every update by the
-    learning rate; FTRL divides by it, and an optimizer of the user's may
-    do anything). `recommend` then keeps no copy of the trainable weights.
+    FTRL divides by the learning rate, and a user's optimizer may do anything;
+    where it does, `recommend` keeps a copy of the trainable weights.
     """
-    import tensorflow as tf
-
     try:
         probe = fresh_optimizer(optimizer, learning_rate=0.0)
         rng = np.random.default_rng(0)
@@ -178,24 +135,17 @@ def still_at_zero(optimizer):
         for _ in range(2):
             probe.apply_gradients([(tf.constant(rng.standard_normal((4, 3)).astype("float32")), variable)])
         return bool(np.array_equal(variable.numpy(), start))
-    except Exception:  # noqa: BLE001  an optimizer that cannot step a scratch variable: keep the copy
+    except Exception:  # noqa: BLE001  any failure of a user's optimizer on a scratch variable: keep the copy
         return False
 
 
 def check_fits(model, x, name):
-    """Calls `model` on one row of `x`; a ValueError naming `name` when it cannot take it.
-
-    Args:
-        model: the user's model.
-        x: the batch's inputs (tensors, or a list / dict of them).
-        name: the argument they came from (`"x"` or `"sample"`).
-    """
-    import keras
-
+    """Calls `model` on one row of `x`; a ValueError naming `name` (`"x"` or `"sample"`) when it cannot take it."""
     one = keras.tree.map_structure(lambda t: t[:1], x)
     try:
         model(one, training=False)
-    except Exception as e:  # noqa: BLE001  a shape or dtype error comes as many error types
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, NotImplementedError,
+            tf.errors.OpError) as e:  # a shape or dtype error, as Keras or TensorFlow raises it
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(
             f"`{name}` does not fit model {model.name!r}, which takes {_expected(model)}. Received: {name} "
@@ -204,12 +154,7 @@ def check_fits(model, x, name):
 
 
 def nonfinite_notes(batch, name=None):
-    """One line per argument of `batch` `(x, y, description)` that holds NaN or inf (an empty list when none).
-
-    `name` names the argument both came from (`"sample"`), else `x` and `y`.
-    """
-    import keras
-
+    """One line per argument of `batch` `(x, y, description)` holding NaN or inf; `name`: where both came from."""
     notes = []
     for part, label in zip(batch[:2], ("x", "y")):
         counts = [_nonfinite(t) for t in keras.tree.flatten(part)]
@@ -233,16 +178,12 @@ def _nonfinite(tensor):
 
 
 def _shapes(x):
-    import keras
-
     shapes = [_shape(t) for t in keras.tree.flatten(x)]
     return f"shape {shapes[0]}" if len(shapes) == 1 else f"shapes {shapes}"
 
 
 def _expected(model):
     """The model's input shapes as its graph knows them, else what its layers say."""
-    import keras
-
     try:
         shapes = [tuple(t.shape) for t in keras.tree.flatten(model.inputs)]
     except (AttributeError, ValueError):

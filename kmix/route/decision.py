@@ -1,13 +1,8 @@
 """The decision as `kmix.recommend` gives it: a `Recommendation` whose reasons quote the figures (pure).
 
-`decide` reads the device's probe (a transformer MLP's step per dtype and
-compilation); `decide_routes` reads the trials of the user's own step
-(`kmix.route.trials.RouteTable`), and where the budget timed no half route
-there, hands the decision to the probe and says so. Both pick by
-`kmix.route.rule.choose`; this module writes the reasons.
-
-    >>> rec = decide_routes(table, probe, facts.gpus(), facts.cpu_features(), facts.onednn_enabled())
-    >>> rec.policy, rec.jit_compile, rec.reasons
+`decide` reads the device's probe, `decide_routes` the trials of the user's
+step (handing over to the probe where no half route was timed); both pick
+by `kmix.route.rule.choose`.
 """
 
 import dataclasses
@@ -19,24 +14,22 @@ from kmix.route.rule import FLOAT16_MARGIN, MIN_SPEEDUP, choose
 
 @dataclasses.dataclass(frozen=True)
 class Recommendation:
-    """The route `kmix.recommend` picks, with the measured reasons.
+    """The route `kmix.recommend` picks, with the measured reasons; `print(rec)` shows them and the table.
 
     Attributes:
-        policy: `"O1-bfloat16"`, `"O1-float16"` or `"float32"`: a spec that
-            `kmix.autocast`, `kmix.policy_scope` and `kmix.set_policy`
-            accept as it is (and that `kmix.wrap`, called in its scope,
-            follows). O1: half matmuls; normalization, softmax and the
-            model's outputs in float32 (Keras's `mixed_<half>` plus float32
-            outputs).
+        policy: `"O1-bfloat16"`, `"O1-float16"` or `"float32"`, as `kmix.autocast`,
+            `kmix.policy_scope` and `kmix.set_policy` accept it.
         jit_compile: the `jit_compile` to pass to `model.compile`.
         reasons: lines that quote the measured figures and the device facts.
         loss_scaling: whether the policy needs a dynamic loss scale (float16).
-        probe: the `kmix.device.Probe` measured (the decision's figures
-            without a model; which half dtypes to try on a model).
-        table: with a model, the `RouteTable` of its training step on each
-            route (None otherwise).
+        probe: the `kmix.device.Probe` measured, or None.
+        table: with a model, the `RouteTable` of its training step on each route (None otherwise).
 
-    `print(rec)` shows the route, the reasons and the table.
+    Example:
+
+    >>> rec = kmix.recommend(model, x=x_train, y=y_train)
+    >>> rec.policy, rec.jit_compile
+    ('O1-bfloat16', False)
     """
 
     policy: str
@@ -60,17 +53,7 @@ def policy_name(dtype):
 
 
 def decide(probe, gpus, cpu, onednn=None):
-    """The recommendation from the MLP probe and the device facts (pure).
-
-    Args:
-        probe: a `kmix.device.Probe`.
-        gpus: `kmix.device.gpus()`: dicts with `name`, `compute_capability`.
-        cpu: `kmix.device.cpu_features()`.
-        onednn: whether oneDNN is on (None: unknown).
-
-    Returns:
-        A `Recommendation`.
-    """
+    """The `Recommendation` from a `kmix.device.Probe` and the device facts (`gpus()`, `cpu_features()`, oneDNN)."""
     choice = choose(probe.times(), bool(gpus), MIN_SPEEDUP, FLOAT16_MARGIN, tie="float32")
     (dtype, jit), (_, ref_jit) = choice.route, choice.reference
     reasons = [facts.describe(gpus, cpu, onednn)]
@@ -109,23 +92,13 @@ def decide(probe, gpus, cpu, onednn=None):
 
 
 def decide_routes(table, probe, gpus, cpu, onednn=None, tie="median"):
-    """The recommendation from the trials of the user's model (pure; the rule is `kmix.route.rule`'s).
-
-    Where the budget timed no half route of those asked for, the device's
-    probe decides (`decide`), with the model's timings shown; without a
-    probe, float32 as timed. The reasons say which.
+    """The `Recommendation` from a `RouteTable` of the user's model (the probe's where no half route was timed).
 
     Args:
         table: a `RouteTable` from `kmix.route.trials.time_routes`.
         probe: the `kmix.device.Probe` that chose the candidates, or None.
         gpus, cpu, onednn: the device facts, as for `decide`.
-        tie: what decides a half route the rounds could not separate from
-            float32 (`kmix.route.rule.choose`): `"median"`, the default, or
-            `"float32"` (`bench recommend` measures both).
-
-    Returns:
-        A `Recommendation` whose `table` marks the route chosen (none where
-        the probe's route was not timed).
+        tie: `kmix.route.rule.choose`'s tie rule: `"median"` or `"float32"`.
     """
     times = table.times()
     index = {(r.dtype, r.jit_compile): i for i, r in enumerate(table.routes)}
@@ -187,7 +160,7 @@ def _from_probe(table, probe, gpus, cpu, onednn, index):
                    f"untested against the half routes. {_budget_advice(table)}"]
         return _recommendation("float32", reference[1], reasons, None, table)
     rec = decide(probe, gpus, cpu, onednn)
-    dtype = rec.policy.rsplit("-", 1)[-1]
+    dtype = rule.dtype_of(rec.policy)
     table = dataclasses.replace(table, chosen=index.get((dtype, rec.jit_compile)), reference=index[reference])
     note = (f"{spent} The route above is therefore this device's probe's, not measured on your model. "
             f"{_budget_advice(table)}")
@@ -210,13 +183,13 @@ def _rounds(table):
 
 
 def _rounds_line(table):
-    """The reason that says what was timed, and where the rounds fell short of the minimum, that they did."""
+    """The reason that says what was timed, and whether the rounds fell short of `MIN_ROUNDS`."""
     n = len(table.routes)
     line = f"Timed your model's training step on {table.batch}: {n} route{'s' if n != 1 else ''}, {_rounds(table)}"
     fewest = min(len(r.seconds) for r in table.routes)
-    if fewest >= trials.MIN_ROUNDS or len(table.routes) < 2:
+    if fewest >= timing.MIN_ROUNDS or len(table.routes) < 2:
         return line + " (the table below)."
-    return (line + f" (the table below): fewer than the {trials.MIN_ROUNDS} a comparison aims for, as budget_s ran "
+    return (line + f" (the table below): fewer than the {timing.MIN_ROUNDS} a comparison aims for, as budget_s ran "
             f"out (the rounds stop at {1 + trials.OVERRUN:g}x budget_s), so the ratios are rough.")
 
 
@@ -229,7 +202,7 @@ def _budget_advice(table):
     xla = any(jit for _, jit in table.untimed()) and not any(r.jit_compile for r in table.routes)
     guess = f"; an XLA compile, not measured here, taken as {trials.XLA_BUILD:g} builds, may take longer" if xla else ""
     return (f"At this call's pace, timing them too would take a budget_s of {table.needed_s():.0f} s or more "
-            f"({table.before_s:.0f} s before building, then each build and {trials.MIN_ROUNDS} rounds of every "
+            f"({table.before_s:.0f} s before building, then each build and {timing.MIN_ROUNDS} rounds of every "
             f"route as measured{guess}); a busier machine needs more.")
 
 

@@ -1,13 +1,8 @@
 """`python -m kmix doctor`: versions, devices, half-precision hardware and the measured route.
 
-The facts come from `kmix.device.gather_facts()`, the advice from
-`kmix.recommend()`: a short probe times a transformer MLP in float32,
-bfloat16 and float16, as a `tf.function` and under XLA, on this device, and
-the fastest safe policy and `jit_compile` are printed with the figures and
-the facts (tensor cores, CPU features, oneDNN) that explain them. On a CPU
-where oneDNN is off (TensorFlow's default on CPUs without AVX-512), it also
-measures whether `TF_ENABLE_ONEDNN_OPTS=1` would be faster (`kmix.route.onednn`:
-two subprocesses, interleaved) and says how to set it.
+The facts are `kmix.device.gather_facts()`, the advice `kmix.recommend()`; on
+a CPU with oneDNN off it also measures whether `TF_ENABLE_ONEDNN_OPTS=1`
+would be faster (`kmix.route.onednn`).
 """
 
 import argparse
@@ -17,19 +12,13 @@ import sys
 import kmix
 from kmix._output import progress
 from kmix.policy import Policy
-from kmix.route.facts import gather_facts, tensor_cores
+from kmix.route.facts import gather_facts, tensor_cores, yes_no
 from kmix.route.onednn import compare as compare_onednn
 from kmix.route.recommendation import recommend
 
 
 def tf32_line(facts):
-    """What the report says about TF32: only meaningful with a GPU of compute capability 8.0+.
-
-    Args:
-        facts: the dict of `gather_facts()` (`gpus`, `tf32`).
-
-    Returns:
-        One line of text.
+    """The report's line about TF32 from `gather_facts()`: only meaningful with a GPU of compute capability 8.0+.
 
     Example:
         >>> tf32_line({"gpus": [], "tf32": True})
@@ -49,14 +38,7 @@ def tf32_line(facts):
 
 
 def why_no_gpu(facts):
-    """Why a CUDA build of TensorFlow sees no GPU, as far as the facts tell; None otherwise.
-
-    Args:
-        facts: the dict of `gather_facts()`.
-
-    Returns:
-        A sentence, or None when there is a GPU or TensorFlow is not a CUDA build.
-    """
+    """Why a CUDA build of TensorFlow sees no GPU, as far as `gather_facts()` tells; None otherwise."""
     if facts["gpus"] or not facts["built_with_cuda"]:
         return None
     visible = facts.get("cuda_visible_devices")
@@ -74,14 +56,7 @@ def why_no_gpu(facts):
 
 
 def onednn_lines(comparison):
-    """What the report says about `TF_ENABLE_ONEDNN_OPTS=1`, from a `kmix.route.onednn.Comparison`.
-
-    Args:
-        comparison: the measured comparison of oneDNN on and off.
-
-    Returns:
-        Lines of text: the figures, the verdict and, where it is faster, how to set it.
-    """
+    """The report's lines about `TF_ENABLE_ONEDNN_OPTS=1` from a `kmix.route.onednn.Comparison`: figures, verdict."""
     c = comparison
     shown = lambda setting, config: (f"{config[0]}, {'XLA' if config[1] else 'tf.function'} "  # noqa: E731
                                      f"{c.gflops(setting, config):.0f} GFLOP/s")
@@ -113,7 +88,7 @@ def format_report(facts, recommendation, onednn=None):
         known = cpu.get("source") is not None
         lines.append(f"  {'':<11} {cpu['model']}" + ("" if known else " (no /proc/cpuinfo: features unknown)"))
         for flag in ("avx512_bf16", "amx_bf16", "avx512_fp16"):
-            lines.append(f"  {'':<11} {flag.upper():<12} {_yes(cpu[flag]) if known else 'unknown'}")
+            lines.append(f"  {'':<11} {flag.upper():<12} {yes_no(cpu[flag]) if known else 'unknown'}")
     if "onednn" in facts:
         lines.append(f"  {'oneDNN':<11} {'on' if facts['onednn'] else 'off'}" + _onednn_setting())
     if onednn is not None:
@@ -129,8 +104,8 @@ def format_report(facts, recommendation, onednn=None):
         cores = tensor_cores(cc)
         lines.append(f"  GPU {i:<7} {gpu['name']}")
         lines.append(f"    compute capability      {'unknown' if cc is None else f'{cc[0]}.{cc[1]}'}")
-        lines.append(f"    float16 tensor cores    {_yes(cores['float16'])}")
-        lines.append(f"    bfloat16 tensor cores   {_yes(cores['bfloat16'])}")
+        lines.append(f"    float16 tensor cores    {yes_no(cores['float16'])}")
+        lines.append(f"    bfloat16 tensor cores   {yes_no(cores['bfloat16'])}")
     if not facts["gpus"]:
         lines.append(f"  {'':<11} float16 tensor cores: no; bfloat16 tensor cores: no (no GPU)")
         reason = why_no_gpu(facts)
@@ -151,12 +126,7 @@ def format_report(facts, recommendation, onednn=None):
 
 
 def serving_lines(recommendation):
-    """The inference route that goes with the training route: `kmix.export` in its half dtype, or float32.
-
-    The artifact computes what the recommended route computes (half matmuls,
-    float32 norms, softmax and outputs), with its weights stored in half;
-    `bench predict` times it beside Keras's routes on this machine.
-    """
+    """The inference route that goes with the training route: `kmix.export` in its half dtype, or float32."""
     half = Policy(recommendation.policy).compute_dtype
     lines = ["Serving (the recommended route's computation; `python -m kmix bench predict` times it here)"]
     if half == "float32":
@@ -172,10 +142,6 @@ def _onednn_setting():
     if value is None:
         return " (TF_ENABLE_ONEDNN_OPTS unset: TensorFlow's default for this CPU)"
     return f" (TF_ENABLE_ONEDNN_OPTS={value!r})"
-
-
-def _yes(flag):
-    return {True: "yes", False: "no", None: "unknown"}.get(flag, "yes" if flag else "no")
 
 
 def main(argv=None):

@@ -1,12 +1,4 @@
-"""Device facts: what explains a route, read without timing anything.
-
-The GPUs' compute capabilities (and so their tensor cores), the CPU's model
-and the features that matter for half precision (AVX512_BF16, AMX-BF16,
-AVX512_FP16, read from `/proc/cpuinfo` where it exists, "unknown"
-elsewhere), whether TensorFlow runs its CPU kernels through oneDNN, and the
-versions and build that `python -m kmix doctor` prints. Facts explain; the
-measured probe (`kmix.route.probe`) and the trials of the user's step
-(`kmix.route.trials`) decide. `kmix.device` shows both.
+"""Device facts that explain a route, read without timing anything: GPUs, CPU features, oneDNN, versions.
 
     >>> from kmix.route import facts
     >>> facts.cpu_features()["avx512_bf16"]
@@ -15,6 +7,12 @@ measured probe (`kmix.route.probe`) and the trials of the user's step
 
 import os
 import platform
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from kmix import _compat
 
 FLOAT16_TENSOR_CORES = (7, 0)  # Volta
 BFLOAT16_TENSOR_CORES = (8, 0)  # Ampere
@@ -27,13 +25,7 @@ CPU_FLAGS = {  # /proc/cpuinfo flag -> what it gives half precision
 
 
 def tensor_cores(compute_capability):
-    """Which half-precision dtypes have tensor cores at `compute_capability`.
-
-    Args:
-        compute_capability: `(major, minor)`, or None when unknown (no GPU).
-
-    Returns:
-        `{"float16": bool, "bfloat16": bool}`.
+    """`{"float16": bool, "bfloat16": bool}`: which half dtypes have tensor cores at `(major, minor)` (None: no GPU).
 
     Example:
         >>> tensor_cores((7, 5))
@@ -46,15 +38,10 @@ def tensor_cores(compute_capability):
 
 
 def cpu_features(cpuinfo_path="/proc/cpuinfo"):
-    """The CPU's model and the features that matter for half precision.
+    """The CPU's `model`, the `source` read (None: unreadable) and each flag of `CPU_FLAGS` (None: unknown).
 
     Args:
         cpuinfo_path: where to read them (Linux's `/proc/cpuinfo`).
-
-    Returns:
-        A dict: `model` (a string), `source` (the path, or None where it
-        could not be read), and one entry per flag of `CPU_FLAGS`: True,
-        False, or None when unknown (no `/proc/cpuinfo`: macOS, Windows).
     """
     try:
         with open(cpuinfo_path) as f:
@@ -76,8 +63,6 @@ def cpu_features(cpuinfo_path="/proc/cpuinfo"):
 
 def gpus():
     """One dict per GPU TensorFlow sees: `name` and `compute_capability` (`(major, minor)` or None)."""
-    import tensorflow as tf
-
     found = []
     for device in tf.config.list_physical_devices("GPU"):
         try:
@@ -91,18 +76,14 @@ def gpus():
 
 def onednn_enabled():
     """Whether TensorFlow runs its CPU kernels through oneDNN in this process."""
-    from kmix._compat import onednn_enabled as enabled
-
-    return enabled()
+    return _compat.onednn_enabled()
 
 
 def fast_bfloat16():
     """Whether this device has bfloat16 hardware, from the facts alone (no timing).
 
-    True with GPUs that all have bfloat16 tensor cores (compute capability
-    8.0+), or with no GPU and a CPU with AVX512_BF16 or AMX-BF16 and oneDNN
-    on. `kmix.recommend` measures instead; this is for advice that must not
-    cost a probe (`kmix.diagnose`).
+    GPUs that all have compute capability 8.0+, or no GPU and a CPU with
+    AVX512_BF16 or AMX-BF16 and oneDNN on.
     """
     found = gpus()
     if found:
@@ -112,10 +93,7 @@ def fast_bfloat16():
 
 
 def describe(gpus, cpu, onednn):
-    """The device facts that explain a recommendation, as one line.
-
-    Args:
-        gpus: `gpus()`; cpu: `cpu_features()`; onednn: `onednn_enabled()` (None: unknown).
+    """The facts of `gpus()`, `cpu_features()` and `onednn_enabled()` (None: unknown) that explain a route, in one line.
 
     Example:
         >>> describe([], cpu_features(), onednn_enabled())
@@ -128,16 +106,17 @@ def describe(gpus, cpu, onednn):
             cores = tensor_cores(cc)
             shown = "unknown" if cc is None else f"{cc[0]}.{cc[1]}"
             parts.append(f"{gpu['name']} (compute capability {shown}: float16 tensor cores "
-                         f"{_yes(cores['float16'])}, bfloat16 {_yes(cores['bfloat16'])})")
+                         f"{yes_no(cores['float16'])}, bfloat16 {yes_no(cores['bfloat16'])})")
         return "GPU: " + "; ".join(parts) + "."
     flags = ", ".join(f"{name.upper().replace('_BF16', '-BF16') if name == 'amx_bf16' else name.upper()} "
-                      f"{_yes(cpu.get(name))}" for name in ("avx512_bf16", "amx_bf16", "avx512_fp16"))
+                      f"{yes_no(cpu.get(name))}" for name in ("avx512_bf16", "amx_bf16", "avx512_fp16"))
     where = "" if cpu.get("source") else " (no /proc/cpuinfo: features unknown)"
     dnn = {True: "on", False: "off", None: "unknown"}[onednn]
     return f"CPU: {cpu.get('model', 'unknown')}{where}; {flags}; oneDNN {dnn}; no GPU."
 
 
-def _yes(flag):
+def yes_no(flag):
+    """`"yes"`, `"no"` or `"unknown"` (None), as the reports print a fact."""
     return {True: "yes", False: "no", None: "unknown"}[flag]
 
 
@@ -145,19 +124,11 @@ def gather_facts():
     """Versions, devices and capabilities of this machine, as a dict.
 
     Returns:
-        A dict with `versions` (name -> version string: Python, TensorFlow,
-        Keras, NumPy; the doctor adds kmix's own), `gpus` (see `gpus()`),
-        `cpu` (architecture and cores), `cpu_features` (see `cpu_features()`),
-        `onednn` (bool), `built_with_cuda`, `cuda` / `cudnn` build versions
-        (or None), `tf32` (whether TensorFlow's TF32 setting is on; it acts
-        only on GPUs of compute capability 8.0+), `xla` (a string: "yes" or
-        why not), `cuda_visible_devices` (the variable, or None when unset)
-        and `nvidia_driver` (the driver's version line, or None).
+        `versions` (Python, TensorFlow, Keras, NumPy), `gpus`, `cpu`,
+        `cpu_features`, `onednn`, `built_with_cuda`, `cuda` / `cudnn` (or
+        None), `tf32`, `xla` ("yes" or why not), `cuda_visible_devices` and
+        `nvidia_driver` (the driver's version line, or None).
     """
-    import keras
-    import numpy as np
-    import tensorflow as tf
-
     versions = {
         "python": platform.python_version(),
         "tensorflow": tf.__version__,
@@ -175,7 +146,7 @@ def gather_facts():
         "cuda": build.get("cuda_version"),
         "cudnn": build.get("cudnn_version"),
         "tf32": tf.config.experimental.tensor_float_32_execution_enabled(),
-        "xla": _check_xla(tf),
+        "xla": _check_xla(),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "nvidia_driver": _nvidia_driver(),
     }
@@ -190,12 +161,12 @@ def _nvidia_driver():
         return None
 
 
-def _check_xla(tf):
+def _check_xla():
     """Compiles and runs a tiny function with XLA; "yes" or the reason it failed."""
     try:
         fn = tf.function(lambda x: tf.reduce_sum(tf.matmul(x, x)), jit_compile=True)
         float(fn(tf.ones((4, 4))))
         return "yes (a jit_compile=True function compiled and ran)"
-    except Exception as e:  # noqa: BLE001  XLA failures come as many error types
+    except (tf.errors.OpError, RuntimeError, ValueError, NotImplementedError) as e:  # XLA missing or failing
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"no: {type(e).__name__}: {first_line[:200]}"

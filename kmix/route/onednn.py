@@ -1,20 +1,16 @@
-"""Would `TF_ENABLE_ONEDNN_OPTS=1` be faster here? Measured in two subprocesses, interleaved.
+"""Would `TF_ENABLE_ONEDNN_OPTS=1` be faster here? Measured in two worker processes, interleaved.
 
-TensorFlow reads `TF_ENABLE_ONEDNN_OPTS` once, when it starts, and turns
-oneDNN on by default only on some CPUs (AVX-512 and the like). So the
-question cannot be answered inside one process: `compare` starts two
-workers, one with oneDNN on and one with it off, each of which builds the
-probe's MLP training step (`kmix.route.probe.train_step`) in float32 and
-bfloat16, as a `tf.function` and under XLA, and then times one call of each
-per round when asked. The parent asks them in turn, round after round, so
-that drift on the machine hits both alike, and compares each setting's
-fastest configuration round by round (`kmix.route.timing.paired`).
+TensorFlow reads the variable once, when it starts: `compare` starts one
+worker with oneDNN on and one with it off, each timing the probe's MLP step
+(`kmix.route.probe.train_step`) when asked, round after round, and compares
+each setting's fastest configuration round by round (`kmix.route.timing.paired`).
 
     >>> result = compare()
     >>> result.ratio, result.noise     # > 1 + noise: oneDNN on is faster
 """
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -23,7 +19,7 @@ import time
 
 from kmix.route import timing
 from kmix.route.facts import onednn_enabled
-from kmix.route.probe import train_step
+from kmix.route.probe import mlp_tensors, step_functions
 
 CONFIGS = (("float32", False), ("float32", True), ("bfloat16", False), ("bfloat16", True))
 SHAPE = (1024, 512, 2048)
@@ -36,13 +32,10 @@ class Comparison:
     Attributes:
         on, off: `{(dtype, jit_compile): [seconds per round]}` per setting.
         best_on, best_off: each setting's fastest configuration (median).
-        ratio: round by round, best_off's seconds over best_on's (median; above 1: on is faster).
-        noise: how far the lower quartile of those ratios is below the median
-            (at least `kmix.route.timing.NOISE_FLOOR`; see `kmix.route.timing.paired`).
+        ratio, noise: `kmix.route.timing.paired(best_off, best_on)` (above 1 + noise: on is faster).
         shape: the probe's `(m, k, n)`.
         seconds: how long it took, the workers' start included.
-        enabled: `{"on": bool, "off": bool}`: whether each worker's TensorFlow
-            did run with oneDNN (it can refuse on some CPUs).
+        enabled: `{"on": bool, "off": bool}`: whether each worker did run with oneDNN.
     """
 
     on: dict
@@ -119,19 +112,9 @@ def _stop(worker):
 
 def serve(shape):
     """The worker: builds the step per configuration, then times one call of each per "round" line."""
-    import functools
-
-    import tensorflow as tf
-
-    m, k, n = shape
-    gen = tf.random.Generator.from_seed(0)
-    tensors32 = (gen.normal((m, k)), gen.normal((k, n), stddev=k**-0.5), tf.zeros((n,)),
-                 gen.normal((n, k), stddev=n**-0.5))
-    calls = {}
-    for dtype, jit in CONFIGS:
-        fn = tf.function(functools.partial(train_step), jit_compile=jit)  # see probe._probe
-        args = [tf.cast(t, dtype) for t in tensors32]
-        calls[f"{dtype}:{'xla' if jit else 'tf'}"] = functools.partial(lambda f, a: f(*a).numpy(), fn, args)
+    tensors = mlp_tensors(shape, {dtype for dtype, _ in CONFIGS})
+    calls = {f"{dtype}:{'xla' if jit else 'tf'}": functools.partial(lambda f, a: f(*a).numpy(), fn, tensors[dtype])
+             for (dtype, jit), fn in step_functions(CONFIGS).items()}
     for call in calls.values():
         call()
         call()

@@ -1,23 +1,17 @@
 """The measured probe: a transformer MLP's training step per dtype and compilation, on this device.
 
-`kmix.recommend()` decides from it where there is no model to time, and
-with a model it tells which half dtypes are worth timing there. The step is
-`x + gelu(x @ w1 + b1) @ w2`, forward and backward (six matmuls, a bias, a
-GELU and a residual add), in float32, bfloat16 and float16, as a
-`tf.function` and under XLA. Every configuration runs at one size, in
-interleaved rounds (`kmix.route.timing`), each call timed until the device
-is done; a few seconds in all, cached per process, size and TF32 setting. On
-a GPU the rows grow (`size_rows`) until a call is long enough not to be
-bound by kernel launches. `kmix.device` shows `probe` and `Probe` with the
-device facts.
+`x + gelu(x @ w1 + b1) @ w2`, forward and backward, in float32, bfloat16 and
+float16, as a `tf.function` and under XLA, in interleaved rounds
+(`kmix.route.timing`); cached per process, size and TF32 setting.
 
-    >>> import kmix
     >>> print(kmix.device.probe())  # GFLOP/s per dtype, tf.function and XLA, with the spread
 """
 
 import dataclasses
 import functools
 import time
+
+import tensorflow as tf
 
 from kmix.route import timing
 from kmix.route.facts import cpu_features, gpus
@@ -31,25 +25,15 @@ class Probe:
 
     Attributes:
         device: where it ran (`"CPU"` or a GPU's name).
-        shape: `(m, k, n)`: `x + gelu(x @ w1 + b1) @ w2` with `x` of shape
-            `(m, k)`, `w1` of shape `(k, n)` and `w2` of shape `(n, k)`.
-        gflops: `{(dtype, jit_compile): GFLOP/s}` (matmul FLOPs, forward
-            and backward, `12*rows*k*n` per step, over the median round), for
-            every dtype of `DTYPES` and both compilations.
+        shape: `(m, k, n)`: `x` of shape `(m, k)`, `w1` `(k, n)`, `w2` `(n, k)`.
+        gflops: `{(dtype, jit_compile): GFLOP/s}` (`12*rows*k*n` matmul FLOPs
+            per step over the median round), every dtype and compilation.
         seconds: how long the probe took.
-        rounds: `{(dtype, jit_compile): seconds of each interleaved round}`
-            for the configurations timed at `rows` (None: figures given, not
-            measured).
-        rows: the rows of `x` every timed configuration ran on: `m`, or
-            `m // 16` when a full-size call would not fit the budget.
-        screened: the configurations left out of the rounds: on a first
-            call at `m // 16` rows, all at that size, these half-precision
-            configurations ran more than `SCREEN` times slower than the
-            fastest (float16 on a CPU without float16 kernels); their
-            `gflops` are from that call.
-        tf32: whether float32 matmuls could use TF32 tensor cores
-            (`tf.config.experimental.tensor_float_32_execution_enabled()`;
-            None: not recorded).
+        rounds: `{(dtype, jit_compile): seconds of each round}` (None: figures given, not measured).
+        rows: the rows every timed configuration ran on: `m`, or `m // 16` where `m` would not fit the budget.
+        screened: configurations more than `SCREEN` times slower than the
+            fastest on a first call at `m // 16` rows, not timed further.
+        tf32: whether float32 matmuls could use TF32 tensor cores (None: not recorded).
     """
 
     device: str
@@ -70,11 +54,7 @@ class Probe:
         return max((self.rate(dtype, jit), jit) for jit in (False, True))
 
     def times(self):
-        """`{(dtype, jit_compile): seconds per round}` of the configurations compared.
-
-        The measured rounds; for figures given without rounds, one round
-        each, from the rates (the same FLOPs per call, so seconds are 1/rate).
-        """
+        """`{(dtype, jit_compile): seconds per round}`: the rounds, else one round of 1/rate per configuration."""
         if self.rounds is not None:
             return {config: list(seconds) for config, seconds in self.rounds.items()}
         return {config: [1.0 / max(rate, 1e-12)] for config, rate in self.gflops.items()
@@ -105,6 +85,7 @@ class Probe:
         return rate
 
 
+PROBE_ROUNDS = 7  # interleaved rounds of every configuration, at least
 SCREEN = 4  # a configuration this much slower than the fastest on the first call is not timed further
 MIN_GPU_CALL_S = 2e-3  # a GPU call shorter than this is mostly kernel launches: the rows grow until it is not
 GPU_TENSOR_BYTES = 2**28  # the rows grow at most until a float32 (rows, max(k, n)) tensor takes this much
@@ -113,30 +94,23 @@ GPU_TENSOR_BYTES = 2**28  # the rows grow at most until a float32 (rows, max(k, 
 def probe(shape=None, budget=0.25):
     """Times the training step of `x + gelu(x @ w1 + b1) @ w2` per dtype, as a `tf.function` and under XLA; cached.
 
-    Every configuration is timed at the same size, in interleaved rounds
-    (`kmix.route.timing.run_rounds`: at least 7, each configuration once a
-    round), and its figure is the median round. A first call of each at
-    `m // 16` rows screens out the ones more than `SCREEN` times slower than
-    the fastest there (float16 on most CPUs), so that they cost no seconds
-    at full size.
+    At least `PROBE_ROUNDS` interleaved rounds at one size; a first call at
+    `m // 16` rows screens out configurations `SCREEN` times slower than the fastest.
 
     Args:
-        shape: `(m, k, n)`; by default `(1024, 512, 2048)` on a CPU (a
-            d_model 512 MLP over 1024 tokens) and
-            `(8192, 4096, 4096)` on a GPU (large enough for tensor cores).
-            On a GPU `m` is where the rows start: they double while the
-            fastest configuration's call is shorter than `MIN_GPU_CALL_S`
-            (`size_rows`), up to `gpu_row_limit(shape)`.
-        budget: seconds of timed rounds per configuration. When the fastest
-            configuration's call at full size would take more than this,
-            every configuration is timed at `m // 16` rows instead.
+        shape: `(m, k, n)`; by default `(1024, 512, 2048)` on a CPU and
+            `(8192, 4096, 4096)` on a GPU, where the rows double while a
+            call is shorter than `MIN_GPU_CALL_S` (`size_rows`), up to `gpu_row_limit(shape)`.
+        budget: seconds of rounds per configuration; where the fastest
+            full-size call would take longer, all run at `m // 16` rows.
 
     Returns:
-        A `Probe`. Six configurations, a few seconds in all on a CPU. One
-        per shape, budget and TF32 setting is measured in a process.
-    """
-    import tensorflow as tf
+        A `Probe`, measured once per shape, budget and TF32 setting in a process.
 
+    Example:
+
+    >>> kmix.device.probe().best("bfloat16")   # (GFLOP/s, jit_compile)
+    """
     on_gpu = bool(tf.config.list_physical_devices("GPU"))
     if shape is None:
         shape = (8192, 4096, 4096) if on_gpu else (1024, 512, 2048)
@@ -147,21 +121,13 @@ def probe(shape=None, budget=0.25):
 
 
 def gpu_row_limit(shape):
-    """The most rows `probe` grows `x` to on a GPU: `m`, or as many as fit `GPU_TENSOR_BYTES` in float32 `(rows, max(k, n))`."""
+    """The most rows `probe` grows `x` to on a GPU: `m`, or a float32 `(rows, max(k, n))` of `GPU_TENSOR_BYTES`."""
     m, k, n = shape
     return max(m, GPU_TENSOR_BYTES // (4 * max(k, n)))
 
 
 def size_rows(seconds_at, rows, limit, min_seconds=MIN_GPU_CALL_S):
-    """The rows, doubling from `rows` up to `limit`, at which one call takes at least `min_seconds`.
-
-    Args:
-        seconds_at: `fn(rows) -> seconds` of one call at that many rows.
-        rows, limit: where to start and the most rows to try.
-        min_seconds: a call shorter than this is mostly fixed cost (kernel launches).
-
-    Returns:
-        The first size tried whose call took `min_seconds` or more, else `limit`.
+    """The rows, doubling from `rows` up to `limit`, at which one call (`seconds_at(rows)`) takes `min_seconds`.
 
     Example:
         >>> size_rows(lambda rows: 1e-4 + rows * 1e-7, 1024, 65536)  # 1e-4 + 32768e-7 >= 2e-3
@@ -174,19 +140,11 @@ def size_rows(seconds_at, rows, limit, min_seconds=MIN_GPU_CALL_S):
 
 @functools.lru_cache(maxsize=None)
 def _probe(shape, budget, on_gpu, tf32):
-    import tensorflow as tf
-
     start = time.perf_counter()
     m, k, n = shape
     limit = gpu_row_limit(shape) if on_gpu else m
-    gen = tf.random.Generator.from_seed(0)
-    tensors32 = (gen.normal((limit, k)), gen.normal((k, n), stddev=k**-0.5), tf.zeros((n,)),
-                 gen.normal((n, k), stddev=n**-0.5))
-    tensors = {dtype: [tf.cast(t, dtype) for t in tensors32] for dtype in DTYPES}
-    # One function per configuration, each around a partial of its own: TensorFlow counts
-    # retracing per Python code object, and six functions of one lambda would warn of it.
-    fns = {(dtype, jit): tf.function(functools.partial(train_step), jit_compile=jit)
-           for dtype in DTYPES for jit in (False, True)}
+    tensors = mlp_tensors((limit, k, n), DTYPES)
+    fns = step_functions([(dtype, jit) for dtype in DTYPES for jit in (False, True)])
     small_rows = max(1, m // 16)
     first = {config: _first_call(fn, [tensors[config[0]][0][:small_rows]] + tensors[config[0]][1:])
              for config, fn in fns.items()}
@@ -202,7 +160,7 @@ def _probe(shape, budget, on_gpu, tf32):
         call()
         call()
     rounds = timing.run_rounds(calls, {config: 1 for config in calls}, budget * len(calls),
-                                min_rounds=7)
+                               min_rounds=PROBE_ROUNDS)
     gflops = {config: 12 * small_rows * k * n / first[config] / 1e9 for config in screened}
     gflops.update({config: 12 * rows * k * n / timing.median(seconds) / 1e9 for config, seconds in rounds.items()})
     where = gpus()[0]["name"] if on_gpu else f"CPU ({cpu_features()['model']})"
@@ -211,19 +169,9 @@ def _probe(shape, budget, on_gpu, tf32):
 
 
 def plan_rows(first, m, small_rows, budget):
-    """`(rows, screened)`: the one size every configuration is timed at, and those left out.
+    """`(rows, screened)` from `first` `{config: seconds}` at `small_rows`: `m` if the fastest fits `budget` there.
 
-    Args:
-        first: `{(dtype, jit_compile): seconds}` of a call at `small_rows` rows, all at that size.
-        m: the full rows.
-        small_rows: the rows of the first calls.
-        budget: seconds a full-size call of the fastest may take.
-
-    Returns:
-        `rows` is `m` when the fastest call, scaled to `m` rows, fits
-        `budget`, else `small_rows`; `screened` the half-precision
-        configurations `SCREEN` times slower than the fastest (float32, the
-        reference every decision divides by, is never screened).
+    `screened`: the half configurations `SCREEN` times slower than the fastest (never float32, the reference).
     """
     fastest = min(first.values())
     screened = tuple(c for c in first if c[0] != "float32" and first[c] > SCREEN * fastest)
@@ -245,10 +193,25 @@ def _first_call(fn, args):
     return min(times)
 
 
+def mlp_tensors(shape, dtypes):
+    """`{dtype: [x, w1, b1, w2]}`: the MLP's seeded inputs and weights for `shape` `(m, k, n)`."""
+    m, k, n = shape
+    gen = tf.random.Generator.from_seed(0)
+    tensors32 = (gen.normal((m, k)), gen.normal((k, n), stddev=k**-0.5), tf.zeros((n,)),
+                 gen.normal((n, k), stddev=n**-0.5))
+    return {dtype: [tf.cast(t, dtype) for t in tensors32] for dtype in dtypes}
+
+
+def step_functions(configs):
+    """`{(dtype, jit_compile): tf.function of train_step}`, each around a partial of its own.
+
+    TensorFlow counts retracing per Python code object: functions of one callable would warn of it.
+    """
+    return {config: tf.function(functools.partial(train_step), jit_compile=config[1]) for config in configs}
+
+
 def train_step(x, w1, b1, w2):
     """The gradients of a float32 loss of the MLP with respect to its input and weights."""
-    import tensorflow as tf
-
     with tf.GradientTape() as tape:
         tape.watch([x, w1, b1, w2])
         y = x + tf.matmul(tf.nn.gelu(tf.matmul(x, w1) + b1), w2)

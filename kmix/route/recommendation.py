@@ -1,18 +1,8 @@
 """`kmix.recommend()`: the fastest safe policy and compilation, measured on this device or on your model.
 
-With a model and a batch of its data, `recommend` times the model's own
-training step on each candidate route (`kmix.route.trials`); without one it
-times a transformer MLP (`kmix.device.probe`). Either way the timings are
-interleaved rounds, and the decision is a pure function of them
-(`kmix.route.rule.choose`, which states the rule) that
-`kmix.route.decision` turns into a `Recommendation` whose reasons quote
-the figures.
-
-bfloat16 is preferred over float16: it has float32's range, so it needs no
-loss scaling and does not overflow. The half policy is Apex's O1 with that
-dtype (`kmix.autocast` places matmuls in it and keeps normalization,
-softmax and the model's outputs in float32), spelled as
-`kmix.Policy(...).name` spells it, a string every kmix entry point accepts.
+With a model and a batch it times the model's own training step on each
+route (`kmix.route.trials`), else a transformer MLP (`kmix.device.probe`);
+the decision is `kmix.route.rule.choose`'s, worded by `kmix.route.decision`.
 """
 
 import dataclasses
@@ -32,18 +22,12 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
     """Measures the fastest safe policy and `jit_compile`: on your model's training step, or on this device.
 
     With a model and data it times the model's own training step on each
-    candidate route, as the README builds it (`kmix.autocast`, compiled in
-    `kmix.policy_scope(policy)` with `kmix.wrap` and `jit_compile`), in
-    interleaved rounds of `train_on_batch` on one batch, and returns the
-    fastest by the rule of `kmix.route.rule`: a half route wins when it is
-    faster than float32 beyond the measured noise, or, where the rounds
-    cannot separate them, by more than 3% in the median (the reasons say so).
-    The candidates are float32 and each half dtype the device's probe ran at
-    least 0.85x as fast as float32, each as a `tf.function` and under XLA.
-    Every route runs on the model's own variables with one optimizer state
-    (`kmix.route.inplace`): no copy of the weights; `model` is left exactly
-    as it was (layers, policies, weights bit for bit, its optimizer and
-    compiled functions).
+    candidate route (float32, and each half dtype the device's probe ran at
+    least 0.85x as fast, as a `tf.function` and under XLA), built as the
+    README builds it, in interleaved rounds of `train_on_batch` on one batch,
+    on the model's own variables; `model` is left exactly as it was. A half
+    route wins when faster than float32 beyond the measured noise or, where
+    the rounds cannot separate them, by more than 3% in the median.
 
     Args:
         model: a built Keras model; compiled with its loss (and optimizer),
@@ -60,22 +44,12 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
         dtypes: the dtypes to time, e.g. `("float32", "bfloat16")`,
             instead of the probe's choice.
         budget_s: seconds for the whole call, probing, building and
-            compiling included (a positive number); the call keeps within
-            1.25x it where it covers the probe (a few seconds of traces on
-            a CPU, whatever the budget), unless `dtypes=` without `probe=`
-            leaves a probe to measure at the end. The routes are built in
-            the order the probe ranks them (float32's reference, then the
-            best half route, then the rest: `kmix.route.rule.build_order`),
-            each only where its build (`kmix.route.trials.first_build`,
-            then `estimate_build`) and `kmix.route.trials.MIN_ROUNDS` rounds
-            of every route fit in what is left; the reasons name the routes
-            not built and the budget_s that would build them at this call's
-            pace. Where no half route was timed, this device's probe
-            decides, and the reasons say so; where not even one route's
-            build fits, nothing is built. The rounds stop at 1.2x budget_s,
-            their minimum reached or not: the table and the reasons give the
-            rounds each route got. The routes whose comparisons stay
-            unsettled get more rounds while it lasts.
+            compiling included (a positive number; kept within 1.25x where
+            it covers the probe). Routes are built in
+            `kmix.route.rule.build_order` while their build and
+            `kmix.route.timing.MIN_ROUNDS` rounds of every route fit; the
+            rounds stop at 1.2x it. Where no half route was timed, the
+            device's probe decides; the reasons say so.
         probe: a `kmix.device.Probe` to use instead of measuring one.
         verbose: progress lines on stderr while it measures.
 
@@ -148,14 +122,7 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
 
 
 def _probe_budget(budget_s):
-    """The probe's `budget` within `recommend(model, ...)`'s `budget_s`.
-
-    The probe times every configuration at full size only where the fastest
-    call takes at most its `budget`, and then runs about nine calls of each
-    of six, some up to `kmix.device.SCREEN` times slower: about 200 times its
-    budget. A thousandth of `budget_s` keeps that near a fifth of it; below,
-    the probe runs at a sixteenth of the rows, its traces the most of its cost.
-    """
+    """The probe's `budget` within `budget_s`: a full-size probe costs about 200 times it, so a thousandth."""
     return min(0.25, budget_s / 1000)
 
 

@@ -1,9 +1,7 @@
 """The decision: the fastest safe route from interleaved timings, a pure function of them.
 
-Every branch is tested with injected figures. `times` maps each route
-`(dtype, jit_compile)` to its seconds per step, one entry per interleaved
-round; every comparison is round by round (`kmix.route.timing.bounds`: the
-median ratio and its confidence interval `[low, high]`):
+`times` maps each route `(dtype, jit_compile)` to its seconds per step, one
+entry per round; every comparison is round by round (`kmix.route.timing.bounds`):
 
 ```
 best(dtype) = its compilation that is faster by more than NOISE_FLOOR (3%), else Keras's default
@@ -18,17 +16,8 @@ route = the winning half dtype (float16 over bfloat16 only when faster than it b
         beyond the noise), else float32
 ```
 
-On the user's model (`tie="median"`, `min_gain` 1) the route returned is
-the fastest in the median, except that a half dtype must beat float32 by
-more than 3% to be worth its rounding, and float16 must beat bfloat16
-beyond the noise to be worth its loss scaling. Before the tie rule is
-reached, the trials give the unsettled comparisons more rounds while the
-budget lasts (`unsettled`). The probe (`tie="float32"`, `min_gain` 1.1) is
-a synthetic step: its edge must be clear to carry over to a model. It also
-says which routes are worth timing on a model (`candidates`: half dtypes
-at least `CANDIDATE` times float32's speed) and in what order
-(`build_order`: float32's reference, then the best half route, then the
-rest), so that a budget too short for every route times the likeliest.
+`unsettled` names the comparisons that need more rounds, `candidates` the
+dtypes worth timing on a model, `build_order` the order to build them in.
 """
 
 import dataclasses
@@ -37,23 +26,14 @@ from kmix.route import timing
 from kmix.route.probe import DTYPES
 
 MIN_SPEEDUP = 1.1  # the probe: a half dtype must beat float32 by this much to be worth its rounding
-# The probe: float16 is chosen over bfloat16 only when this much faster: it needs loss scaling
-# and overflows at 65504, where bfloat16 has float32's range.
-FLOAT16_MARGIN = 1.25
+FLOAT16_MARGIN = 1.25  # the probe: float16 over bfloat16 only this much faster (it needs loss scaling)
 TIES = ("median", "float32")
 CANDIDATE = 0.85  # a half dtype is timed on the model when the probe ran it at least this fast as float32
 
 
 @dataclasses.dataclass(frozen=True)
 class Gain:
-    """A half dtype's best route against float32's, round by round.
-
-    Attributes:
-        route: the half dtype's route `(dtype, jit_compile)`.
-        ratio: float32's step over this route's (the median round-by-round ratio; above 1: faster).
-        noise: how far the ratio's lower confidence bound lies below it (at least `NOISE_FLOOR`).
-        low, high: the ratio's confidence interval.
-    """
+    """A half dtype's best `route` against float32's: `ratio` (above 1: faster), `noise`, interval `low`, `high`."""
 
     route: tuple
     ratio: float
@@ -74,15 +54,7 @@ class Gain:
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """What `choose` found.
-
-    Attributes:
-        route: the route picked, `(dtype, jit_compile)`.
-        reference: float32's best route, the baseline of every ratio.
-        gains: `{half dtype: Gain}` for each half dtype timed.
-        tie: the half dtypes whose comparison with float32 the rounds left
-            unsettled, so that the tie rule decided it.
-    """
+    """What `choose` found: the `route`, float32's `reference`, `gains` per half dtype, those the `tie` rule decided."""
 
     route: tuple
     reference: tuple
@@ -107,18 +79,14 @@ def gain(times, reference, route):
 
 
 def choose(times, default_jit, min_gain, float16_margin, tie="median"):
-    """The fastest safe route from interleaved timings (pure; see the module docstring).
+    """The fastest safe route from interleaved timings (pure; the rule is the module's).
 
     Args:
         times: `{(dtype, jit_compile): [seconds per round]}` (float32 required).
-        default_jit: the compilation kept when both are within
-            `NOISE_FLOOR` of each other (Keras's default: True with a GPU,
-            False without).
+        default_jit: the compilation kept when both are within `NOISE_FLOOR` (True with a GPU).
         min_gain: the least speed-up over float32 a half dtype must show.
         float16_margin: how much faster than bfloat16 float16 must be.
-        tie: what an unsettled comparison gives: `"median"` (the half
-            dtype wins when its median is more than `NOISE_FLOOR` faster)
-            or `"float32"` (it does not win).
+        tie: what an unsettled comparison gives: `"median"` or `"float32"`.
 
     Returns:
         A `Choice`.
@@ -149,19 +117,10 @@ def choose(times, default_jit, min_gain, float16_margin, tie="median"):
 
 
 def unsettled(times, default_jit):
-    """The routes whose comparisons the rounds have not settled: they need more rounds.
+    """The routes in comparisons the decision reads that the rounds have not settled (empty: all settled).
 
-    A comparison is settled when one side is faster beyond the noise, or
-    when it is at most `NOISE_FLOOR` faster (the confidence interval's upper
-    bound). The comparisons are those the decision reads: each dtype's two
-    compilations, and each half dtype's best route against float32's.
-
-    Args:
-        times: as for `choose`.
-        default_jit: as for `choose`.
-
-    Returns:
-        A set of routes (empty: every comparison is settled).
+    Settled: one side faster beyond the noise, or at most `NOISE_FLOOR` faster.
+    The comparisons: each dtype's two compilations, each half dtype's best against float32's.
     """
     open_ = set()
     for dtype in {c[0] for c in times}:
@@ -214,22 +173,9 @@ def check_dtypes(dtypes):
 
 
 def build_order(routes, probe=None, default_jit=False):
-    """The order `kmix.route.trials.time_routes` builds `routes` in, best first by the device's probe.
+    """`routes` (`(policy, jit_compile)` pairs) in build order: float32's reference, the probe's best half, the rest.
 
-    float32's route comes first: every ratio divides by it (its compilation
-    the probe's faster one beyond the noise, else Keras's default, as
-    `best` picks). Then the probe's best half route, so that a budget that
-    covers two routes compares float32 with the half route most likely to
-    win; then the rest, fastest on the probe first.
-
-    Args:
-        routes: `(policy, jit_compile)` pairs.
-        probe: the device's `kmix.device.Probe`, or None: then Keras's
-            default compilation first, float32 first within each.
-        default_jit: Keras's default compilation here (True with a GPU).
-
-    Returns:
-        A list holding each of `routes` once.
+    Without a `probe`, Keras's default compilation (`default_jit`) first, float32 first within each.
     """
     routes = list(dict.fromkeys(routes))
     if probe is None:

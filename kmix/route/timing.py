@@ -1,25 +1,10 @@
-"""Interleaved timing rounds and the statistics that hold still on a shared machine.
+"""Interleaved timing rounds, and the round-by-round statistics that hold still on a shared machine.
 
-`kmix.recommend` compares configurations (dtype x compilation) whose speeds
-differ by a few percent, on machines where other work comes and goes. Four
-rules keep the answer steady:
-
-- rounds are interleaved: round r times every live configuration once, in
-  an order that rotates, so that drift hits them all alike;
-- a configuration's figure is the median of its rounds (one disturbed
-  round moves it little), shown with its spread (interquartile range over
-  the median);
-- two configurations are compared round by round: `bounds(a, b)` is the
-  median of `a[r] / b[r]` with a distribution-free confidence interval
-  around it (the sign test's: the k-th smallest and k-th largest ratio, k
-  from the binomial distribution, `CONFIDENCE` one-sided), and `paired`
-  gives the median and its noise, how far the lower bound lies below it;
-  `b` is faster beyond the noise when that lower bound is above 1 (and the
-  `NOISE_FLOOR`). Unlike a quartile, the bound closes in on the median as
-  rounds are added, so more rounds can settle what a few could not;
-- after `min_rounds`, only the configurations the caller still needs
-  (`more`) get further rounds, while the budget lasts; `hard_s` stops
-  even the minimum, where a caller's budget must hold under any load.
+Round r times every live configuration once, in an order that rotates; a
+configuration's figure is its median round; two are compared by the median
+of their round-by-round ratio, with the sign test's distribution-free
+confidence interval (`bounds`, `paired`). After `min_rounds`, only the
+configurations still needed get more rounds while the budget lasts.
 
     >>> rounds = run_rounds({"a": step_a, "b": step_b}, steps={"a": 4, "b": 4}, budget_s=2.0)
     >>> ratio, noise = paired(rounds["a"], rounds["b"])   # > 1 + noise: b is faster
@@ -49,13 +34,13 @@ def spread(values):
 
 
 def bound_rank(n, confidence=CONFIDENCE):
-    """Which order statistic of `n` ratios bounds their true median: the sign test's `k` (1-based).
+    """The sign test's `k`: the true median lies above the k-th smallest of `n` ratios with `confidence`.
 
-    The largest `k` with `P(Binomial(n, 1/2) < k) <= 1 - confidence`: the
-    true median lies above the k-th smallest of `n` independent ratios (and
-    below the k-th largest) with at least that confidence. At least 1: with
-    fewer than 4 rounds no order statistic reaches 90%, and the extreme
-    ratio is the bound. Examples: 5 rounds -> 1, 10 -> 3, 20 -> 7, 30 -> 11.
+    The largest `k` (at least 1) with `P(Binomial(n, 1/2) < k) <= 1 - confidence`.
+
+    Example:
+        >>> [bound_rank(n) for n in (5, 10, 20, 30)]
+        [1, 3, 7, 11]
     """
     k, below = 1, 1.0 / 2**n  # below: P(Binomial(n, 1/2) <= k - 1)
     while k < n and below + math.comb(n, k) / 2**n <= 1 - confidence:
@@ -68,14 +53,11 @@ def bounds(a, b):
     """How many times slower `a` is than `b`, round by round: `(low, median, high)`.
 
     Args:
-        a, b: seconds per step of two configurations, one entry per round
-            (the same rounds; one timed for fewer rounds has fewer entries,
-            and only the rounds both have count).
+        a, b: seconds per step of two configurations, one entry per round (only common rounds count).
 
     Returns:
-        The median of `a[r] / b[r]` (above 1: `b` is faster) and the bounds
-        of its confidence interval, the `bound_rank`-th smallest and largest
-        ratio. `(1.0, 1.0, 1.0)` with no common round.
+        The median of `a[r] / b[r]` (above 1: `b` is faster) and the
+        `bound_rank`-th smallest and largest ratio; `(1.0, 1.0, 1.0)` with no common round.
     """
     ratios = sorted(x / y for x, y in zip(a, b))
     if not ratios:
@@ -85,16 +67,9 @@ def bounds(a, b):
 
 
 def paired(a, b):
-    """How many times slower `a` is than `b`, round by round: `(median ratio, noise)`.
+    """`(ratio, noise)`: `bounds`' median, and how far its lower bound lies below it (at least `NOISE_FLOOR`).
 
-    Args:
-        a, b: as for `bounds`.
-
-    Returns:
-        `(ratio, noise)`: the median of `a[r] / b[r]` (above 1: `b` is
-        faster) and how far the lower bound of its confidence interval lies
-        below it, at least `NOISE_FLOOR` (1.0 with no common round). `b` is
-        faster beyond the noise when `ratio > 1 + noise`.
+    `b` is faster beyond the noise when `ratio > 1 + noise`; `(1.0, 1.0)` with no common round.
     """
     if not min(len(a), len(b)):
         return 1.0, 1.0
@@ -107,20 +82,14 @@ def run_rounds(calls, steps, budget_s, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROU
     """Times `calls` in interleaved rounds; returns `{key: [seconds per step, one per round]}`.
 
     Args:
-        calls: `{key: fn}`; `fn()` runs one step and returns once the device
-            is done (the caller warms each up first).
-        steps: `{key: int}`: steps per round for each key (so that a round
-            of a fast step is not all timer overhead).
-        budget_s: seconds for all the rounds. Every key gets `min_rounds`
-            rounds, spent or not; then rounds go on while the budget lasts,
-            up to `max_rounds`.
-        more: optional `fn(rounds) -> keys`, asked after each round from
-            `min_rounds` on: the keys that still need rounds (the others are
-            timed no more; none: done). Without it every key goes on.
+        calls: `{key: fn}`; `fn()` runs one step and returns once the device is done (warmed up).
+        steps: `{key: int}`: steps per round for each key.
+        budget_s: seconds for the rounds after the first `min_rounds` (up to `max_rounds`).
+        more: optional `fn(rounds) -> keys` asked after each round from
+            `min_rounds` on: the keys that still need rounds (none: done).
         report: optional `fn(round_number)` called after each round.
         clock: seconds now (`time.perf_counter`; a simulation passes its own).
-        hard_s: optional seconds after which no round starts but the first,
-            `min_rounds` or not (the rounds per key say how many ran).
+        hard_s: optional seconds after which no round but the first starts, `min_rounds` or not.
     """
     rounds = {key: [] for key in calls}
     live = list(calls)

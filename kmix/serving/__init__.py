@@ -3,6 +3,6 @@
 from kmix.serving.check import Comparison, NotFiniteError
 from kmix.serving.pipeline import export
 from kmix.serving.report import ExportReport
-from kmix.serving.storage import HalfStoragePolicy
+from kmix.serving.half_weights import HalfStoragePolicy
 
 __all__ = ["Comparison", "ExportReport", "HalfStoragePolicy", "NotFiniteError", "export"]

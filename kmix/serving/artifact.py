@@ -1,15 +1,8 @@
 """Writing and reading back `kmix.export`'s artifacts: a SavedModel with a `serve` endpoint, or a `.keras` file.
 
 The SavedModel is what Keras's `model.export(path, format="tf_saved_model")`
-writes (a `keras.export.ExportArchive` with one endpoint, `serve`, also the
-`serving_default` signature), its inputs and outputs named as Keras names
-them (`input_signature`), with three differences: its floating inputs are
-float32 whatever the model's first layers compute in; its floating outputs
-are cast to float32 where the model returns a half tensor (a keras-hub task
-whose last layer is a block); and each variable is stored once, where Keras
-3.15's export stores every variable twice (keras-team/keras#23553), so the
-reloaded object has no `variables` attribute (it serves; it does not
-train). The `.keras` file is `keras_file`'s: Keras alone loads it.
+writes, but with float32 floating inputs and outputs, and each variable
+stored once (Keras 3.15 stores every variable twice, keras-team/keras#23553).
 """
 
 import os
@@ -22,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from kmix._tree import is_graph_model
-from kmix.placing.reload import differences, user_classes
+from kmix.placing.twin import differences, user_classes
 from kmix.placing.trace import input_specs
 from kmix.serving import keras_file
 
@@ -33,10 +26,7 @@ def kind(path):
 
 
 def write(served, path, sample, model):
-    """Writes `served` to `path` (see `kind`), its SavedModel inputs named as Keras names `model`'s.
-
-    `sample` gives the signature where the model does not (a subclassed model).
-    """
+    """Writes `served` to `path` (see `kind`), its inputs named as Keras names `model`'s (else from `sample`)."""
     if kind(path) == "keras":
         keras_file.write(served, path)
         return
@@ -59,22 +49,11 @@ def write_function(serve, signature, path, variables):
     archive.write_out(path, verbose=False)
 
 
-def as_serving_inputs(x):
-    """`x` as the `serve` endpoint takes it: floating inputs float32, the others as they are."""
-    return _as_float32_inputs(x)
-
-
 def input_signature(model, served, sample):
-    """The `serve` endpoint's arguments as Keras's `model.export` gives them for `model`: a list of specs.
+    """The `serve` endpoint's specs as Keras's `model.export` gives them: named after the inputs, floats float32.
 
-    A functional model (keras-hub tasks and backbones too) takes one
-    argument, the structure of its inputs (a dict keyed as the model's), a
-    Sequential one per input; each `tf.TensorSpec` is named after the
-    model's input tensor (an `Input`'s name), which `serving_default` and a
-    TF Serving request address it by. A subclassed model takes the
-    structure it is called on, from `sample`, unnamed: TensorFlow names it
-    `args_0`, as in Keras's export. Floating inputs are float32; the batch
-    axis is open.
+    A functional model takes one argument (the structure of its inputs), a
+    Sequential one per input, a subclassed model the structure of `sample`, unnamed.
     """
     named = lambda t: _serving_spec(t.shape, t.dtype, t.name)  # noqa: E731
     if isinstance(model, keras.Sequential):
@@ -86,12 +65,7 @@ def input_signature(model, served, sample):
 
 
 def load(path, model):
-    """`(predict, seconds)`: the artifact at `path` read back, as a function of the inputs, and the time it took.
-
-    A `.keras` file loads with `keras.models.load_model` (`model`'s own
-    classes in scope, as `kmix.autocast` copies them); a SavedModel with
-    `tf.saved_model.load`, its `serve` endpoint called.
-    """
+    """`(predict, seconds)`: the artifact at `path` read back (`model`'s classes in scope), and the time it took."""
     start = time.perf_counter()
     if kind(path) == "keras":
         with keras.saving.custom_object_scope(user_classes(model)):
@@ -115,12 +89,7 @@ def load(path, model):
 
 
 def read_saved_model(path):
-    """`(predict, weights)`: a SavedModel `kmix.export` wrote, read back with `tf.saved_model.load`.
-
-    `predict` calls its `serve` endpoint on inputs as the model takes them;
-    `weights` are the variables it stores, in the order `write_function`
-    was given them (None for an artifact written by `write`).
-    """
+    """`(predict, weights)`: a SavedModel read back: its `serve` endpoint, and its variables (None from `write`)."""
     loaded = tf.saved_model.load(str(path))
     weights = list(loaded.weights) if hasattr(loaded, "weights") else None
     return (lambda x: loaded.serve(_as_float32_inputs(x))), weights

@@ -1,12 +1,7 @@
 """The check of `kmix.export`'s artifact: its outputs read back against the float32 model's, on a sample.
 
-The sample is the user's (arrays, tensors, lists / dicts of them, or a
-`tf.data.Dataset`'s first batch) or drawn from the model's input specs:
-float inputs from a standard normal, integer inputs (token ids) below the
-smallest `Embedding`'s `input_dim`, inputs named like a mask all ones. A
-half model whose outputs are not finite where the float32 model's are is
-refused: `NotFiniteError` names the layers `kmix.diagnose` finds
-overflowing, which `kmix.export(..., float32_layers=...)` keeps in float32.
+A half model whose outputs are not finite where the float32 model's are is
+refused with a `NotFiniteError` naming the layers `kmix.diagnose` finds overflowing.
 """
 
 import keras
@@ -25,8 +20,7 @@ class NotFiniteError(ValueError):
     """`kmix.export` refused a model: its half-precision outputs are not finite on the sample.
 
     Attributes:
-        float32_layers: the layer names or paths to keep in float32
-            (`kmix.export(..., float32_layers=...)`), as `kmix.diagnose` finds them.
+        float32_layers: the layers to keep in float32 (`kmix.export(..., float32_layers=...)`).
         diagnosis: the `kmix.Diagnosis`, or None where the diagnosis could not run.
     """
 
@@ -42,11 +36,9 @@ class Comparison:
     Attributes:
         max_abs_diff: the largest |half - float32| over every output value.
         max_abs_float32: the largest |float32 output|, to read the difference against.
-        top1_agreement: for a single output with a last axis of 2 or more
-            (a classifier's scores, a language model's logits): how often the
-            argmax over the last axis agrees; None otherwise.
-        finite: whether every half output is finite where float32's is.
-        float32_finite: whether every float32 output is finite.
+        top1_agreement: for a single output with a last axis of 2 or more, how
+            often the argmax agrees; None otherwise.
+        finite, float32_finite: whether every half output is finite where float32's is, and every float32 one.
     """
 
     def __init__(self, reference, half):
@@ -67,14 +59,11 @@ def all_finite(outputs):
     return all(np.all(np.isfinite(np.asarray(t, np.float32))) for t in keras.tree.flatten(outputs))
 
 
-def sample_inputs(model, sample):
-    """The inputs to check on, and a line saying where they came from.
+def inputs_to_check(model, sample):
+    """`(inputs, where they came from)`: `sample` (arrays, tensors, a dataset's first batch) or drawn from the specs.
 
-    Args:
-        model: the user's model.
-        sample: None (drawn from the input specs), arrays / tensors (or a
-            list / dict of them), or a `tf.data.Dataset` of inputs or of
-            `(x, y)` batches.
+    Drawn: `DRAWN_BATCH` rows of `kmix.diagnose.data.sample_inputs`, token ids
+    below the smallest `Embedding`'s `input_dim`, float inputs in float32.
     """
     if sample is None:
         specs = input_specs(model)
@@ -84,7 +73,11 @@ def sample_inputs(model, sample):
                 "(a subclassed model built from several inputs). Pass `sample=x`, a batch of inputs as "
                 "the model takes them."
             )
-        x = _draw(model, specs)
+        vocab = min((layer.input_dim for _, layer, _ in walk(model) if isinstance(layer, keras.layers.Embedding)),
+                    default=2)
+        float32 = keras.tree.map_structure(
+            lambda s: tf.TensorSpec(s.shape, tf.float32) if tf.as_dtype(s.dtype).is_floating else s, specs)
+        x = data.sample_inputs(float32, DRAWN_BATCH, DRAWN_LENGTH, seed=0, vocab=vocab)
         shapes = keras.tree.map_structure(lambda t: tuple(t.shape), x)
         return x, f"drawn from the input specs: {shapes}"
     if isinstance(sample, tf.data.Dataset):
@@ -109,13 +102,7 @@ def sample_inputs(model, sample):
 
 
 def _as_input_dtypes(model, sample):
-    """`sample` with each integer input in the dtype the model's input takes (int64 ids for an int32 input).
-
-    The served signature takes the model's input dtypes: integers that do not
-    fit an integer input, floats for one, anything but real numbers for a
-    floating input (bool, complex, strings) and anything but bools for a bool
-    input are refused naming `sample`.
-    """
+    """`sample` with each integer input in the dtype the model's input takes; what cannot be refused naming `sample`."""
     specs = input_specs(model)
     if specs is None:
         return sample  # the signature is the sample's own
@@ -153,11 +140,9 @@ def outputs(model, x):
 
 
 def refuse(comparison, reference, x, half, float32_layers):
-    """The `NotFiniteError` for a half model with non-finite outputs, naming the layers that overflow.
+    """The `NotFiniteError` for a half model, naming the layers `kmix.diagnose` finds overflowing on `reference`.
 
-    `kmix.diagnose` runs on a float32 copy (`reference`, compiled here with a
-    squared-error loss against zeros: the diagnosis needs gradients) and the
-    sample, under the half dtype.
+    `reference` is a float32 model, compiled here with a squared error against zeros (for the gradients).
     """
     from kmix.diagnose import diagnose
     from kmix.policy import Policy
@@ -172,7 +157,7 @@ def refuse(comparison, reference, x, half, float32_layers):
         rows = [f"  {row.path} ({row.class_name}): max |out| {row.output.max_abs:.3g} in float32, {row.verdict}"
                 for row in diagnosis.layers if row.verdict not in ("", "ok")]
         why = "kmix.diagnose finds (the whole diagnosis is the error's `diagnosis`):\n" + "\n".join(rows)
-    except Exception as e:  # noqa: BLE001  the refusal stands; the diagnosis only names the layers
+    except Exception as e:  # noqa: BLE001  diagnose failing on the user's layers: the refusal stands, unnamed
         found, why = [], f"kmix.diagnose could not run ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
     keep = sorted(set(float32_layers or ()) | set(found))
     advice = (f"Keep them in float32: kmix.export(model, path, dtype={half!r}, float32_layers={keep!r})"
@@ -185,23 +170,3 @@ def refuse(comparison, reference, x, half, float32_layers):
         keep,
         diagnosis,
     )
-
-
-def _draw(model, specs):
-    rng = np.random.default_rng(0)
-    vocab = min((layer.input_dim for _, layer, _ in walk(model) if isinstance(layer, keras.layers.Embedding)),
-                default=2)
-
-    def draw(path, spec):
-        shape = [DRAWN_BATCH if i == 0 else (DRAWN_LENGTH if d is None else d) for i, d in enumerate(spec.shape)]
-        dtype = spec.dtype
-        if dtype.is_floating:
-            return rng.standard_normal(shape).astype(np.float32)
-        if "mask" in "/".join(str(p) for p in path).lower():
-            return np.ones(shape, dtype.as_numpy_dtype)
-        if dtype == tf.bool:
-            return np.ones(shape, bool)
-        return rng.integers(0, vocab, size=shape).astype(dtype.as_numpy_dtype)
-
-    flat = keras.tree.flatten_with_path(specs)
-    return keras.tree.pack_sequence_as(specs, [draw(path, spec) for path, spec in flat])

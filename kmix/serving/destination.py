@@ -1,30 +1,13 @@
 """Where `kmix.export` writes: the path checked at the call, the artifact moved in whole, nothing else removed.
 
-As Keras does: `model.export` writes a SavedModel into a directory and keeps
-the other files there, and refuses an existing file; `model.save` refuses a
-directory. A SavedModel goes to a new path or an empty directory; a
-`.keras` file to a new path. Anything else there (a file, a non-empty
-directory, the working directory) is refused unless `overwrite=True`, and
-even then only the artifact's own files are replaced; a `.keras` path that
-is a directory, or a SavedModel path that is a file, is always refused.
-
-The artifact is written to a hidden partial path (`.kmix-partial-<pid>-...`)
-and moved in by `Target.commit`, which leaves the old artifact or the new
-one at the path, never a mix or nothing, if it is interrupted at any point:
-
-- a new path, or a `.keras` file: one rename (atomic);
-- a directory holding only a SavedModel's files: the two directories
-  exchanged in one step (Linux's `renameat2(RENAME_EXCHANGE)`; elsewhere
-  two renames, undone on any exception), then the old one removed;
-- a directory holding other files too (or empty, or the working
-  directory): the artifact's files moved in one by one, each replaced file
-  first hard-linked into the partial directory, which records what it
-  moves; an exception undoes every move, and so does a later export that
-  finds the record of a killed one.
-
-A later export removes what a killed one left beside its path (a
-process id that is not running), and names in a warning what a running
-process left.
+As Keras's `model.export` / `model.save`: a SavedModel goes to a new path or
+an empty directory, a `.keras` file to a new path; anything else there is
+refused unless `overwrite=True`, which replaces only the artifact's own
+files. The artifact is written to a hidden partial path and moved in by
+`Target.commit` (one rename; two directories exchanged with `renameat2`; or,
+into a directory holding other files, its files moved one by one under a
+record that undoes them), so that an interrupt leaves the old artifact or
+the new one, never a mix. A later export cleans up what a killed one left.
 """
 
 import ctypes
@@ -162,13 +145,14 @@ def _swap(partial, path):
     """Exchanges the directories `partial` (new) and `path` (old): the new one in place, the old one at `partial`."""
     if _exchange(partial, path):
         return
-    aside = _aside(partial)
+    aside, swapped = _aside(partial), False
     try:
         os.rename(path, aside)
         os.rename(partial, path)
-    except BaseException:
-        _put_back(aside, path)
-        raise
+        swapped = True
+    finally:
+        if not swapped:
+            _put_back(aside, path)
     _remove(aside)
 
 
@@ -203,9 +187,8 @@ def _merge(partial, path):
     """Moves the files of `partial` into the directory `path`, replacing only those of the same names.
 
     The record (`_JOURNAL`) is written first and removed last (the commit);
-    a replaced file is hard-linked into `partial` before the new one takes
-    its name, so `_undo_merge` can put everything back while the record is
-    there. `saved_model.pb` goes last.
+    a replaced file is hard-linked into `partial` first, so `_undo_merge` can
+    put everything back while the record is there.
     """
     dirs, files = _tree(partial)
     record = {"target": path, "files": files,
@@ -222,19 +205,13 @@ def _merge(partial, path):
                 _keep(there, kept)
             os.replace(source, there)
         os.remove(os.path.join(partial, _JOURNAL))
-    except BaseException:
-        if os.path.isfile(os.path.join(partial, _JOURNAL)):  # not committed yet
+    finally:
+        if os.path.isfile(os.path.join(partial, _JOURNAL)):  # not committed: undone
             _undo_merge(partial)
-        raise
 
 
 def _undo_merge(partial):
-    """Puts back what `_merge` moved from `partial`, by what is where: a file no longer in `partial` was moved.
-
-    Idempotent, so that an undo interrupted in turn is finished by the next:
-    a replaced file comes back from its second name (once), a file that was
-    not there before is removed.
-    """
+    """Puts back what `_merge` moved from `partial` (a file no longer there was moved); idempotent."""
     with open(os.path.join(partial, _JOURNAL)) as f:
         record = json.load(f)
     path = record["target"]

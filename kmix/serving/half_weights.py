@@ -1,18 +1,11 @@
-"""The user's model served with half weights: no copy of the model, a half copy of the weights it serves.
+"""The half weights `kmix.export` serves and stores: one choice of which variables go half, two ways to hold them.
 
-`kmix.export` places the model itself (`kmix.autocast` under O1 with the
-export's half dtype: compute dtypes only, the float32 variables stay) and
-serves it through `HalfWeights`: each float32 variable a half layer reads,
-and the weights of a float32 layer holding a matrix (the output layer), get
-a half `tf.Variable` holding its value rounded. While `serving()` lasts, the
-half layers' variables read their half copies (the same Keras variables,
-their storage swapped: a half layer computes on half weights as under O2,
-with no float32 copy in between), and `call` maps the float32 layers'
-copies in (`keras.StatelessScope(state_mapping=...)`), read as float32
-(`HalfStoragePolicy`'s arithmetic). Normalization vectors, values beyond
-the half dtype's range and non-float variables are served from the model's
-own variables. The half variables are the artifact's weights: 0.5x the
-float32 bytes they replace, and all the memory serving adds.
+A SavedModel is served from the user's model itself through `HalfWeights`:
+half `tf.Variable` copies of the float32 variables its half layers read, and
+of the matrices of its float32 layers (the output layer). A `.keras` file
+is written from a placed copy whose float32 layers holding a matrix store
+it in half (`store_in_half`, `HalfStoragePolicy`). Either way, vectors of
+float32 layers (normalization) and values beyond the half range stay float32.
 
     >>> weights = HalfWeights(model, "bfloat16")      # model placed in place first
     >>> with weights.serving():
@@ -25,12 +18,61 @@ import tensorflow as tf
 
 from kmix import _compat
 from kmix._tree import own_weights, walk
+from kmix.diagnose.probe import HALF_RANGES
+from kmix.placing import twin, write
 
-_HALF_MAX = {"float16": 65504.0, "bfloat16": float(np.finfo(np.float32).max)}
+
+@keras.saving.register_keras_serializable(package="kmix")
+class HalfStoragePolicy(keras.DTypePolicy):
+    """A dtype policy that stores variables in a half dtype and computes in float32 (`mixed_bfloat16` reversed).
+
+    A layer carries it inside a `keras.dtype_policies.DTypePolicyMap`, which
+    `keras.models.load_model` restores with `kmix` imported.
+
+    Args:
+        name: `"stored_bfloat16"` or `"stored_float16"`, or the half dtype
+            itself (`"bfloat16"`, `"float16"`).
+
+    Example:
+
+    >>> policy = HalfStoragePolicy("bfloat16")
+    >>> policy.name, policy.variable_dtype, policy.compute_dtype
+    ('stored_bfloat16', 'bfloat16', 'float32')
+    """
+
+    def __init__(self, name="stored_bfloat16"):
+        half = name.removeprefix("stored_") if isinstance(name, str) else None
+        if half not in HALF_RANGES:
+            raise ValueError(
+                "`name` must be 'stored_bfloat16' or 'stored_float16' (or 'bfloat16' / 'float16'). "
+                f"Received: name={name!r}"
+            )
+        super().__init__("float32")
+        self._name = f"stored_{half}"
+        self._half = half
+
+    @property
+    def variable_dtype(self):
+        """The half dtype the variables are stored in."""
+        return self._half
+
+
+def _chosen(model, half, float32_compute_only=False):
+    """`(path, layer, float32 variables, in_float32, why kept float32 or None)` of each layer with some to halve."""
+    for path, layer, _ in walk(model):
+        weights = [v for v in own_weights(layer) if keras.backend.standardize_dtype(v.dtype) == "float32"]
+        in_float32 = layer.compute_dtype == "float32"
+        has_matrix = any(len(v.shape) >= 2 for v in weights)
+        if not weights or (in_float32 and not has_matrix) or (float32_compute_only and not in_float32):
+            continue
+        largest = max(float(tf.reduce_max(tf.abs(v.value))) if int(np.prod(v.shape)) else 0.0 for v in weights)
+        too_large = largest > HALF_RANGES[half].max
+        why = f"a value of {largest:.4g} is beyond {half}'s range" if too_large else None
+        yield path, layer, weights, in_float32, why
 
 
 class HalfWeights:
-    """Half copies of `model`'s weights, as `kmix.export` serves them (see the module).
+    """Half copies of `model`'s weights, as `kmix.export` serves a SavedModel (see the module).
 
     Attributes:
         pairs: `(model variable, half tf.Variable)` for every weight served half.
@@ -42,19 +84,12 @@ class HalfWeights:
         self.model, self.half = model, half
         self.pairs, self.stored_in_half, self.kept_float32 = [], [], {}
         self._swapped, self._mapped = [], []  # pairs of half layers / of float32 layers
-        for path, layer, _ in walk(model):
-            weights = [v for v in own_weights(layer) if keras.backend.standardize_dtype(v.dtype) == "float32"]
-            in_float32 = layer.compute_dtype == "float32"
-            has_matrix = any(len(v.shape) >= 2 for v in weights)
-            chosen = weights if has_matrix or not in_float32 else []  # a float32 layer's vectors alone stay
-            if not chosen:
-                continue
-            largest = max(_largest(v) for v in chosen)
-            if largest > _HALF_MAX[half]:
+        for path, _, weights, in_float32, too_large in _chosen(model, half):
+            if too_large:
                 if in_float32:
-                    self.kept_float32[path] = f"a value of {largest:.4g} is beyond {half}'s range"
+                    self.kept_float32[path] = too_large
                 continue
-            for variable in chosen:
+            for variable in weights:
                 pair = (variable, tf.Variable(tf.cast(variable.value, half), trainable=False,
                                               name=variable.path.replace("/", "_")))
                 self.pairs.append(pair)
@@ -63,11 +98,11 @@ class HalfWeights:
                 self.stored_in_half.append(path)
 
     def serving(self):
-        """A context in which the half layers' variables read their half copies (see the module)."""
+        """A context in which the half layers' variables read their half copies (their storage swapped)."""
         return _compat.storage_swapped(self._swapped)
 
     def call(self, x):
-        """The model on `x` (tensors) with the half weights in, outputs cast to float32; inside `serving()`."""
+        """The model on `x` with the half weights in, outputs float32; inside `serving()`."""
         mapping = [(variable, tf.cast(copy, "float32")) for variable, copy in self._mapped]
         with keras.StatelessScope(state_mapping=mapping):
             out = self.model(x, training=False)
@@ -78,18 +113,53 @@ class HalfWeights:
         return [copy for _, copy in self.pairs]
 
     def bytes(self):
-        """`(bytes served, the same weights in float32)` over every float variable of the model."""
-        half = {id(v) for v, _ in self.pairs}
-        served = as_float32 = 0
-        for variable in self.model.weights:
-            size = int(np.prod(variable.shape))
-            dtype = keras.backend.standardize_dtype(variable.dtype)
-            itemsize = 2 if id(variable) in half or dtype in ("bfloat16", "float16") else np.dtype(dtype).itemsize
-            served += size * itemsize
-            as_float32 += size * (4 if keras.backend.is_float_dtype(dtype) else itemsize)
-        return served, as_float32
+        """`(bytes served, the same weights in float32)` over every variable of the model."""
+        return weight_bytes(self.model, {id(v) for v, _ in self.pairs})
 
 
-def _largest(variable):
-    value = variable.value
-    return float(tf.reduce_max(tf.abs(value))) if int(np.prod(value.shape)) else 0.0
+def store_in_half(model, half):
+    """Gives the float32 layers of `model` that hold a matrix half variables; their float32 compute stays.
+
+    Args:
+        model: a model placed under a half-parameter policy (`kmix.autocast(..., "O2")`).
+        half: `"bfloat16"` or `"float16"`.
+
+    Returns:
+        `(stored, kept)`: the paths of the layers now storing half variables,
+        and `{path: reason}` for the float32 layers with a matrix that keep
+        float32 variables (a value beyond the half range).
+    """
+    stored, kept = [], {}
+    for path, layer, weights, _, too_large in list(_chosen(model, half, float32_compute_only=True)):
+        if too_large:
+            kept[path] = too_large
+            continue
+        for variable in weights:
+            _compat.recast_variable(variable, half)
+        policy, current = HalfStoragePolicy(half), layer.dtype_policy
+        if isinstance(current, keras.dtype_policies.DTypePolicyMap):
+            layer.dtype_policy = policy  # written into the map under the layer's path
+        else:  # a map is the one form a saved config keeps the policy in
+            layer.dtype_policy = keras.dtype_policies.DTypePolicyMap(default_policy=current,
+                                                                     policy_map={layer.path: policy})
+        stored.append(path)
+    if stored:
+        # Where a block re-creates a stored layer with its own dtype (a keras-hub backbone's token
+        # embedding), the block's policy map records the layer's, so that `load_model` restores it.
+        rebuilt = twin.build(model)
+        found = twin.differences(model, rebuilt.model) if rebuilt.error is None else None
+        if found:
+            write.record_maps(model, found, rebuilt.model)
+    return stored, kept
+
+
+def weight_bytes(model, served_half=()):
+    """`(bytes as stored, bytes in float32)` of `model`'s variables; `served_half`: ids of those served in 2 bytes."""
+    stored = as_float32 = 0
+    for variable in model.weights:
+        size = int(np.prod(variable.shape))
+        dtype = keras.backend.standardize_dtype(variable.dtype)
+        itemsize = 2 if id(variable) in served_half or dtype in ("bfloat16", "float16") else np.dtype(dtype).itemsize
+        stored += size * itemsize
+        as_float32 += size * (4 if keras.backend.is_float_dtype(dtype) else itemsize)
+    return stored, as_float32

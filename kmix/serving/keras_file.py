@@ -1,34 +1,11 @@
-"""The `.keras` file `kmix.export` writes: one that Keras alone loads, kmix's objects written as Keras's own.
+"""The `.keras` file `kmix.export` writes: one Keras alone loads, kmix's objects written as Keras's own.
 
-The placed copy `kmix.export` serves holds kmix's classes and policies;
-saved as they are, a process loading the file would need kmix. The file is
-written with Keras's counterparts instead, chosen to compute as kmix's do:
-
-- a layer under `HalfStoragePolicy` (float32 compute, half variables) is
-  written under Keras's `float32` policy. Its weights stay half in the
-  file, and `keras.models.load_model` assigns them to float32 variables
-  exactly (every half value is a float32 one): the same arithmetic, with
-  that layer's variables in float32 in memory. Keras has no policy that
-  stores half and computes float32.
-- a layer handing float32 out from a half matmul (its activation a
-  `kmix.ops.float32_out` one: the model's output layers) is written with
-  Keras's plain activation under `float32` (its weights half in the file).
-- `kmix.layers.Softmax` (a float32 softmax handing back the half compute
-  dtype) becomes Keras's `Softmax` under `float32`: the same softmax, its
-  output float32 (the next layer casts it to its compute dtype).
-- `kmix.layers.MultiHeadAttention` becomes Keras's `MultiHeadAttention` in
-  the half dtype: on TensorFlow, Keras's fused path
-  (`keras.ops.dot_product_attention`) computes the softmax in float32, as
-  kmix's does. Keras takes that path without dropout, without returned
-  scores and for queries of rank 3, so its `dropout` is written as 0
-  (dropout does nothing when serving), and a layer called with
-  `return_attention_scores` or attending over more axes is written in
-  float32 (its weights still half in the file).
-
-A fully masked row then gives Keras's result (uniform over the keys, as
-the float32 model gives), not kmix's zeros. Any other kmix object
-(`MaskedSoftmax`, `WithPolicy`, `Remat`, an `attention_bias` argument) has
-no Keras counterpart: the file is refused before anything is written.
+Each counterpart computes as kmix's object does: a `HalfStoragePolicy` layer
+and a `float32_out` output layer are written under Keras's `float32` (their
+weights half in the file), `kmix.layers.Softmax` as Keras's in float32, and
+`kmix.layers.MultiHeadAttention` as Keras's (its fused path computes the
+softmax in float32; dropout written as 0, and in float32 where Keras would
+not fuse). Any other kmix object refuses the file before anything is written.
 """
 
 import copy
@@ -38,21 +15,17 @@ import tempfile
 import zipfile
 
 import keras
+import tensorflow as tf
 
 from kmix._tree import walk
 from kmix.ops import float32_out
-from kmix.placing.reload import user_classes
+from kmix.placing.twin import user_classes
 
 _CONFIG = "config.json"
 
 
 def keras_config(model, path):
-    """The config `model.save` writes for `model`, with kmix's objects written as Keras's (see the module).
-
-    Raises:
-        ValueError: naming the layers, where the model holds a kmix object
-            that Keras has no counterpart for; nothing is written.
-    """
+    """The config `model.save` writes for `model`, kmix's objects written as Keras's; a ValueError naming the rest."""
     config = keras.saving.serialize_keras_object(model)
     config.pop("compile_config", None)
     rewritten, refused = rewrite(config)
@@ -66,17 +39,13 @@ def keras_config(model, path):
 
 
 def check(model, path):
-    """Raises before anything is written where the file cannot be made, or Keras could not rebuild it.
-
-    The rewritten config alone is rebuilt, as `load_model` rebuilds it (a
-    Keras LSTM under bfloat16 fails there: its orthogonal initializer's QR
-    has no bfloat16 kernel).
-    """
+    """Raises before anything is written where the file cannot be made, or Keras could not rebuild its config."""
     config = keras_config(model, path)
     try:
         with keras.saving.custom_object_scope(user_classes(model)):
             keras.saving.deserialize_keras_object(config, safe_mode=False)
-    except Exception as error:  # noqa: BLE001  reported with Keras's own reason
+    # As `load_model` would fail (a bfloat16 LSTM: its orthogonal initializer's QR has no bfloat16 kernel).
+    except (TypeError, ValueError, KeyError, AttributeError, NotImplementedError, tf.errors.OpError) as error:
         first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
         raise ValueError(
             f"kmix.export cannot write {path}: `keras.models.load_model` could not rebuild the half-precision "
@@ -98,13 +67,7 @@ def write(model, path):
 
 
 def written_in_float32(model):
-    """The ids of `model`'s layers that the file may write under `float32` by design.
-
-    A layer computing in float32 on half weights (`HalfStoragePolicy`), and
-    kmix's `Softmax` or `MultiHeadAttention` (with the layers inside it),
-    which the file writes as Keras's in float32: `load_model` gives them
-    float32 compute and variables.
-    """
+    """The ids of `model`'s layers (float32 ones, kmix's, and those inside) the file may write under `float32`."""
     found = set()
     for _, layer, _ in walk(model):
         if (layer.compute_dtype == "float32" or type(layer).__module__.split(".")[0] == "kmix"
@@ -114,16 +77,7 @@ def written_in_float32(model):
 
 
 def rewrite(config):
-    """`(config, refused)`: a saved model config with kmix's objects written as Keras's, and those left.
-
-    Args:
-        config: a config as `keras.saving.serialize_keras_object` gives it
-            (nested dicts of `module`, `class_name`, `config`, ...).
-
-    Returns:
-        A new config, and `refused`: a line for each kmix object with no
-        Keras counterpart ("MaskedSoftmax (layer 'scores')").
-    """
+    """`(config, refused)`: a serialized config with kmix's objects written as Keras's, and a line per one left."""
     refused = []
     return _visit(copy.deepcopy(config), None, refused), refused
 

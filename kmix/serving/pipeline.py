@@ -1,23 +1,9 @@
 """`kmix.export(model, path)`: a half-precision serving artifact, checked against float32 before it is kept.
 
-One pipeline, read top to bottom in `export`:
-
-1. place: for a SavedModel, the model itself, for the export only
-   (`kmix.autocast` under O1 with the half dtype, then half copies of the
-   weights its half layers and its float32 output layers read:
-   `half_weights.HalfWeights`); for a `.keras` file, a copy placed under O2
-   (its config is the file's), the float32 layers holding a matrix storing
-   it in half too (`storage.store_in_half`);
-2. write the served function (traced once) next to the path, or the placed
-   copy;
-3. read it back and check it: a SavedModel's weights against the half
-   copies it was written from, a `.keras` file's outputs against the
-   placed copy's; then its outputs against the float32 model's on a
-   sample, the figures reported. Non-finite outputs are refused with the
-   layers `kmix.diagnose` finds overflowing; an artifact that fails is
-   removed, one that passes moved to the path (`destination`: only the
-   artifact's own files, the old artifact or the new one whole at the path
-   if interrupted). The model is put back.
+`export` reads top to bottom: place (a SavedModel: the model itself, served
+through `half_weights.HalfWeights`; a `.keras` file: a placed copy storing
+its matrices half), write next to the path, read back and check against
+float32, then move into the path (`destination`); the model is put back.
 """
 
 import gc
@@ -33,7 +19,7 @@ from kmix.placing import autocast
 from kmix._tree import digest, walk
 from kmix.policy.policy import Policy
 from kmix import _checks, _preserved
-from kmix.serving import artifact, check, destination, half_weights, keras_file, storage
+from kmix.serving import artifact, check, destination, half_weights, keras_file
 from kmix.serving.report import ExportReport
 
 _HALF = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "f16": "float16"}
@@ -43,61 +29,33 @@ _HALF = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "f16"
 def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, verbose=True, overwrite=False):
     """Writes a half-precision serving artifact of `model`, checked against its float32 outputs.
 
-    The artifact is a TensorFlow SavedModel directory with a `serve`
-    endpoint and a `serving_default` signature taking the inputs by the
-    names Keras's `model.export(path, format="tf_saved_model")` gives them
-    (the input tensors' names, a dict's keys), or, for a path ending in
-    `.keras`, a file `keras.models.load_model` loads without kmix (kmix's
-    classes and policies are written as Keras's). Its weights
-    are stored in `dtype`, about half the bytes of float32; it computes as
-    kmix's O2 places a model: matmuls, convolutions and embeddings in
-    `dtype`, normalization, softmax and the output layers in float32 (the
-    output layer's weights stored in `dtype` and read as float32); it takes
-    float32 inputs (token ids as they are) and returns float32 outputs.
-
-    The artifact is written next to `filepath`, read back and run on a
-    sample beside the float32 model; the report's figures are the
-    artifact's. Outputs that are not finite where float32's are refuse the
-    export (`kmix.serving.NotFiniteError`, naming the layers
-    `kmix.diagnose` finds overflowing), as does a SavedModel whose weights
-    read back are not the half weights written, or a `.keras` file that
-    does not compute as the model it was written from; `filepath` is left
-    as it was then. A SavedModel
-    is written from `model` itself, placed in place for the export (one
-    `kmix.autocast`) and put back after, through half copies of the weights
-    it serves (the artifact's weights, 0.5x float32's for bfloat16): no
-    copy of the model. A `.keras` file is written from a placed copy (its
-    config is the file's). `model` is left as it was.
+    A SavedModel directory (a `serve` endpoint and a `serving_default`
+    signature, inputs named as Keras's `model.export` names them) or, for a
+    path ending in `.keras`, a file `keras.models.load_model` loads without
+    kmix. Its weights are stored in `dtype`; it computes as kmix's O2 places
+    a model and takes and returns float32. It is written next to `filepath`,
+    read back and checked against the float32 model on a sample before it
+    is moved in; `model` is left as it was.
 
     Args:
         model: a built `keras.Model` (Sequential, functional, subclassed,
-            keras.applications, keras-hub backbones and tasks), in float32
-            or already placed by `kmix.autocast`.
+            keras-hub), in float32 or already placed by `kmix.autocast`.
         filepath: a directory for a SavedModel, a path ending in `.keras`,
-            or a list of them (one check, every artifact written); not
-            `.h5` / `.hdf5`.
+            or a list of them (one check, every artifact written); not `.h5`.
         dtype: `"bfloat16"` (the default: float32's range) or `"float16"`.
-        sample: inputs to check on, as the model takes them (arrays or
-            tensors, lists / dicts of them, or a `tf.data.Dataset`); by
-            default drawn from the input specs (a standard normal, token ids
-            below the smallest embedding's vocabulary). A real batch checks
-            what you serve; at least one row. Integer inputs are taken in
-            the dtype the model's inputs have (int64 ids for int32 inputs).
+        sample: inputs to check on, as the model takes them (arrays, tensors,
+            lists / dicts of them, or a `tf.data.Dataset`), at least one row;
+            by default drawn from the input specs.
         float32_layers: layer names, paths or classes to keep in float32
-            compute, as `kmix.autocast` takes them (their matrices are still
-            stored in `dtype` where the values fit).
+            compute, as `kmix.autocast` takes them.
         verbose: print progress and the report.
-        overwrite: by default `filepath` must be new or an empty directory
-            (as Keras's `model.export` and `model.save`, an existing file or
-            non-empty directory is refused at the call); True replaces an
-            artifact there, the new one moved in whole, and writes a
-            SavedModel's files into a directory holding others, which are
-            kept. A file is never replaced by a directory, nor the reverse.
+        overwrite: by default `filepath` must be new or an empty directory;
+            True replaces an artifact there (moved in whole), keeping other
+            files. A file is never replaced by a directory, nor the reverse.
 
     Returns:
-        An `ExportReport`: paths, the largest difference from float32 and
-        top-1 agreement, bytes as stored against float32, bytes on disk,
-        load time.
+        An `ExportReport`: paths, the largest difference from float32, top-1
+        agreement, bytes as stored and on disk, load time.
 
     Raises:
         TypeError / ValueError: naming the argument, for a model that is not
@@ -120,7 +78,7 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
     half = _check_dtype(dtype)
     _checks.built_model(model)
     say = progress if verbose else (lambda message: None)
-    x, origin = check.sample_inputs(model, sample)
+    x, origin = check.inputs_to_check(model, sample)
     if any(artifact.kind(path) == "keras" for path in paths):
         report = _export_copy(model, targets, half, x, origin, float32_layers, say)
     else:
@@ -131,12 +89,7 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
 
 
 def _export_in_place(model, targets, half, x, origin, float32_layers, say):
-    """SavedModels of `model` placed in place (autocast once) and served with half weights; `model` put back.
-
-    The served function is traced once and written; the one half run is the
-    artifact's, read back: its weights compared with the half copies it was
-    written from (digests) and its outputs with float32's.
-    """
+    """SavedModels of `model` placed in place and served with half weights; the one half run is the artifact's."""
     with _preserved.Preserved(model, saved="none") as kept:
         expected = _float32_outputs(model, x, kept)
         _check_float32_finite(expected, model)
@@ -149,7 +102,7 @@ def _export_in_place(model, targets, half, x, origin, float32_layers, say):
         weight_bytes, float32_bytes = weights.bytes()
         float32_layers_now = [p for p, layer, _ in walk(model) if layer.compute_dtype == "float32" and layer.weights]
         stored, kept_float32 = weights.stored_in_half, weights.kept_float32
-        disk, seconds, worst = {}, {}, None
+        disk, seconds, results = {}, {}, []
         for n, target in enumerate(targets):
             path, last = target.given, n == len(targets) - 1
             say(f"kmix.export: writing {path}")
@@ -181,13 +134,19 @@ def _export_in_place(model, targets, half, x, origin, float32_layers, say):
                 return result, loaded_s
 
             result, seconds[path], disk[path] = _write_checked(target, write, verify, say, release if last else None)
-            worst = result if worst is None or result.max_abs_diff > worst.max_abs_diff else worst
+            results.append(result)
+    return _report(half, origin, results, disk, seconds, (weight_bytes, float32_bytes), stored, kept_float32,
+                   float32_layers_now)
+
+
+def _report(half, origin, results, disk, seconds, sizes, stored, kept, float32_layers):
+    """The `ExportReport`, with the figures of the artifact furthest from float32."""
+    worst = max(results, key=lambda r: r.max_abs_diff)
     return ExportReport(
         paths=list(disk), dtype=half, sample=origin, max_abs_diff=worst.max_abs_diff,
-        max_abs_float32=worst.max_abs_float32, top1_agreement=worst.top1_agreement,
-        weight_bytes=weight_bytes, float32_weight_bytes=float32_bytes, disk_bytes=disk,
-        load_seconds=seconds, stored_in_half=stored, kept_float32=kept_float32, float32_layers=float32_layers_now,
-    )
+        max_abs_float32=worst.max_abs_float32, top1_agreement=worst.top1_agreement, weight_bytes=sizes[0],
+        float32_weight_bytes=sizes[1], disk_bytes=disk, load_seconds=seconds, stored_in_half=stored,
+        float32_layers=float32_layers, kept_float32=kept)
 
 
 def _float32_outputs(model, x, kept):
@@ -211,14 +170,12 @@ def _check_float32_finite(expected, model):
 
 
 def _write_checked(target, write, verify, say, release=None):
-    """Writes through `write(to)` to `target.partial`, reads it back through `verify(to)`, then commits it.
+    """`(Comparison, seconds, bytes on disk)`: written by `write(to)`, checked by `verify(to)`, then moved in.
 
-    `verify` returns `(Comparison, seconds to read back)` or raises; the
-    artifact is moved to the path only once it passes, and on any exception
-    (an interrupt included) the path is left as it was. `release()`, when
-    given, runs between the two (frees what was written from). Returns
-    `(Comparison, seconds, bytes on disk)`.
+    On any exception (an interrupt included) the partial artifact is
+    discarded and the path left as it was; `release()` runs between the two.
     """
+    committed = False
     try:
         write(target.partial)
         if release is not None:
@@ -227,19 +184,15 @@ def _write_checked(target, write, verify, say, release=None):
         result, seconds = verify(target.partial)
         disk = artifact.disk_bytes(target.partial)  # the artifact's own files, not others at the path
         target.commit()
-    except BaseException:
-        target.discard()
-        raise
+        committed = True
+    finally:
+        if not committed:
+            target.discard()
     return result, seconds, disk
 
 
 def _read_back_near(path, to, served, x, expected, before):
-    """`(Comparison, seconds)` for the artifact at `to` read back (`artifact.load`), near the model written.
-
-    Read back, a graph may round otherwise (fused kernels); a model rebuilt
-    wrong from its config is further off: beyond 4x the written model's own
-    difference from float32, the artifact is refused.
-    """
+    """`(Comparison, seconds)` of the artifact at `to` read back; refused beyond 4x the written model's difference."""
     predict, seconds = artifact.load(to, served)
     result = check.Comparison(expected, predict(x))
     if not result.finite or result.max_abs_diff > 4 * before.max_abs_diff + 1e-6 * before.max_abs_float32:
@@ -265,9 +218,8 @@ def _export_copy(model, targets, half, x, origin, float32_layers, say):
     """`.keras` files (and SavedModels beside them): a placed copy of `model`, its weights stored half."""
     say(f"kmix.export: placing a {half} copy of {model.name!r}")
     served = _placed_copy(model, Policy("O2", half=half), float32_layers)
-    stored, kept = storage.store_in_half(served, half)
+    stored, kept = half_weights.store_in_half(served, half)
     reference = model if _computes_in_float32(model) else _placed_copy(model, Policy("O0"), None)
-
     say("kmix.export: checking it against float32 on the sample")
     expected = check.outputs(reference, x)
     _check_float32_finite(expected, model)
@@ -276,27 +228,19 @@ def _export_copy(model, targets, half, x, origin, float32_layers, say):
         say("kmix.export: non-finite outputs in half precision; diagnosing")
         raise check.refuse(before, reference if reference is not model else _placed_copy(model, Policy("O0"), None),
                            x, half, float32_layers)
-
     for target in targets:
         if artifact.kind(target.given) == "keras":
             keras_file.check(served, target.given)
-    disk, seconds, worst = {}, {}, None
+    disk, seconds, results = {}, {}, []
     for target in targets:
         path = target.given
         say(f"kmix.export: writing {path}")
         result, seconds[path], disk[path] = _write_checked(
             target, lambda to: artifact.write(served, to, x, model),
             lambda to, path=path: _read_back_near(path, to, served, x, expected, before), say)
-        worst = result if worst is None or result.max_abs_diff > worst.max_abs_diff else worst
-
-    weight_bytes, float32_bytes = storage.weight_bytes(served)
-    return ExportReport(
-        paths=list(disk), dtype=half, sample=origin, max_abs_diff=worst.max_abs_diff,
-        max_abs_float32=worst.max_abs_float32, top1_agreement=worst.top1_agreement,
-        weight_bytes=weight_bytes, float32_weight_bytes=float32_bytes, disk_bytes=disk,
-        load_seconds=seconds, stored_in_half=stored, kept_float32=kept,
-        float32_layers=[p for p, layer, _ in walk(served) if layer.compute_dtype == "float32" and layer.weights],
-    )
+        results.append(result)
+    return _report(half, origin, results, disk, seconds, half_weights.weight_bytes(served), stored, kept,
+                   [p for p, layer, _ in walk(served) if layer.compute_dtype == "float32" and layer.weights])
 
 
 def _placed_copy(model, policy, float32_layers):

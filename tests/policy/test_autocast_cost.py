@@ -74,12 +74,12 @@ def test_autocast_creates_no_copy_of_the_weights(make, policy):
 
 
 def test_a_check_out_of_memory_is_a_warning_and_the_placement_stands(monkeypatch):
-    from kmix.placing import reload
+    from kmix.placing import twin
 
-    def out_of_memory(twin, model, x):
+    def out_of_memory(rebuilt, model, x):
         raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor")
 
-    monkeypatch.setattr(reload, "run", out_of_memory)
+    monkeypatch.setattr(twin, "run", out_of_memory)
     model = functional_model()
     with pytest.warns(UserWarning, match="could not check"):
         placed, table = kmix.autocast(model, "O1-bfloat16", return_table=True)

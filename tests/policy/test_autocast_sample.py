@@ -14,19 +14,9 @@ import pytest
 import tensorflow as tf
 
 import kmix
-from kmix.policy import advice
 from tests.testing import full_only
 
 TOLERANCE = 3e-2  # tests/policy/test_real_models.py's float16 tolerance, relative to max |float32 output|
-
-
-@pytest.fixture(autouse=True)
-def restore_advice():
-    """The scales recorded per level are process-wide: each test leaves them as it found them."""
-    saved = dict(advice._LEVEL_SCALE)
-    yield
-    advice._LEVEL_SCALE.clear()
-    advice._LEVEL_SCALE.update(saved)
 
 
 def _overflow_model():

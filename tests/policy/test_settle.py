@@ -1,4 +1,4 @@
-"""What trains is what reloads: `kmix.autocast` settles the placed model on what `load_model` rebuilds.
+"""What trains is what reloads: `kmix.autocast` settles the placed model on its twin, as `load_model` rebuilds it.
 
 Small models that fail the way keras-hub's architectures did: a functional
 subclass whose constructor bakes a dtype into a `keras.ops` node (Gemma), a
@@ -62,9 +62,9 @@ def test_a_constant_baked_into_the_graph_is_rebuilt_as_a_reload_makes_it():
 
 
 def test_without_the_rebuilt_constant_the_reload_would_differ(monkeypatch):
-    from kmix.placing import settle
+    from kmix.placing import twin
 
-    monkeypatch.setattr(settle, "_sync_graphs", lambda pairs: 0)
+    monkeypatch.setattr(twin, "_graph_edits", lambda pairs: ([], []))
     model = ScaledEmbedder()
     with pytest.warns(UserWarning, match="predicts up to"):  # the numerical check sees it
         kmix.autocast(model, "O1-bfloat16")
