@@ -78,6 +78,8 @@ def _dtypes(model):
     return {v.path: keras.backend.standardize_dtype(v.dtype) for v in model.weights}
 
 
+@pytest.mark.skipif(tuple(int(p) for p in keras.__version__.split(".")[:2]) < (3, 15),
+                    reason="holds for Keras >= 3.15, which creates LoRA adapters in float32 (earlier: the layer's dtype)")
 @pytest.mark.parametrize("level, keras_policy", [("O2-bfloat16", "bfloat16"), ("O3-bfloat16", "bfloat16"),
                                                  ("O2", "float16")])
 def test_lora_and_fixed_float32_variables_stay_float32(level, keras_policy, tmp_path):
