@@ -132,23 +132,17 @@ def _give_maps(model, rows, layers, listed, twin, given=()):
 
 
 def _entries(pairs):
-    """`{key: policy}`: each layer's path, and where every layer it covers has one policy, each shorter end
-    of a path (a reload may build a wrapped block outside its wrapper: `enc/norm`, not `remat/enc/norm`) and
-    a pattern for an auto-named step (Keras's counter runs on in a reload: `t5_layer_norm_4`, `_24`)."""
+    """`{key: policy}`: each layer's path, a pattern where a step is auto-named (Keras's counter runs on in a
+    reload: `t5_layer_norm_4`, `_24`) and every layer the pattern covers has one policy."""
     by_path = {named.path: named for named, _ in pairs if named.path}
-    entries, shared = {}, {}
+    entries, patterns = {}, {}
     for named, layer in pairs:
-        if not named.path:
-            continue
-        key, name = _path_pattern(named.path, by_path), resolved_policy(layer).name
-        if key is None:
+        key = _path_pattern(named.path, by_path) if named.path else None
+        if named.path and key is None:
             entries.setdefault(named.path, resolved_policy(layer))
-            steps = named.path.split("/")
-            for i in range(1, len(steps)):
-                shared.setdefault("/".join(steps[i:]), set()).add(name)
-        else:
-            shared.setdefault(key, set()).add(name)
-    for key, names in shared.items():
+        elif key is not None:
+            patterns.setdefault(key, set()).add(resolved_policy(layer).name)
+    for key, names in patterns.items():
         if len(names) == 1:
             entries.setdefault(key, keras.DTypePolicy(names.pop()))
     return entries
