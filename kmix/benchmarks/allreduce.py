@@ -187,10 +187,6 @@ def _train_small(strategy, keras, kmix, dtype, steps):
     return loss, _skipped(keras, opt)
 
 
-if __name__ == "__main__":
-    main()
-
-
 def _bytes_per_step(variables, allreduce_dtype):
     """Bytes one replica sends into the all-reduces per step: the gradients in that dtype (and float16's wire scales)."""
     import tensorflow as tf
@@ -200,3 +196,7 @@ def _bytes_per_step(variables, allreduce_dtype):
         width = tf.as_dtype(allreduce_dtype or getattr(v.dtype, "name", v.dtype)).size
         total += int(tf.size(v)) * width + (4 if allreduce_dtype == "float16" else 0)  # float16: one bound each
     return total
+
+
+if __name__ == "__main__":
+    main()
