@@ -11,7 +11,7 @@ kmix patches for multi-worker fit and multi-step runs) and `runtime`
 another's variables); callers use them as `_compat.<name>`.
 """
 
-from kmix._compat.checkpoint import NamedRecord, attach_record
+from kmix._compat.checkpoint import NamedMark, NamedRecord, attach_record
 from kmix._compat.layers import (
     built_input_shapes,
     graph_nodes,
@@ -68,6 +68,7 @@ from kmix._compat.trainer import (
 )
 
 __all__ = [
+    "NamedMark",
     "NamedRecord",
     "adam_slots",
     "attach_record",

@@ -19,7 +19,7 @@ class Leaf(_Trackable):
     """The empty object the record's one dependency points to: its name is what counts."""
 
 
-class NamedRecord(_Trackable):
+class NamedMark(_Trackable):
     """Writes `name()` as the name of its one dependency; `check(saved_name)` sees the name a checkpoint holds.
 
     Args:
@@ -45,6 +45,14 @@ class NamedRecord(_Trackable):
     def _lookup_dependency(self, name, cached_dependencies=None):
         self._check(name)
         return self._leaf if name == self._name() else None
+
+
+class NamedRecord(NamedMark):
+    """A `NamedMark` with a value: a read before its owner attaches it waits for it (see the module).
+
+    TensorFlow's `assert_existing_objects_matched` lists it as unmatched where a
+    checkpoint lacks it; a `NamedMark` (no value) it does not list.
+    """
 
     def _serialize_to_tensors(self):
         return {"record": tf.constant(self._name())}

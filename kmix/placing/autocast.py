@@ -23,6 +23,7 @@ from kmix import _checks, _compat, _preserved
 from kmix._state import record_model
 from kmix._tree import is_graph_model, own_weights, resolved_policy
 from kmix.diagnose import islands
+from kmix.optimizers.saved_level import record_model_level
 from kmix.optimizers.wrap import warn_if_unscaled
 from kmix.placing import repair, trace, twin, write
 from kmix.placing.rules import Kind, Rules, gather
@@ -99,6 +100,7 @@ def autocast(model, policy="O1", float32_layers=None, verbose=False, return_tabl
         warn_if_unscaled(model, policy)
         if verbose:
             print(table)
+        record_model_level(model)  # last: nothing after it can fail
         kept.commit()
     return (model, table) if return_table else model
 

@@ -196,11 +196,35 @@ def test_checkpoint_at_another_layout_raises_before_restoring(saved_at, read_at,
     with pytest.raises(ValueError) as raised:
         tf.train.Checkpoint(model=target, optimizer=target.optimizer).read(path)
     message = str(raised.value)
-    assert f"written at {NAMES[saved_at]} (" in message and f"optimizer is at {NAMES[read_at]} (" in message
-    assert f"written at {source.optimizer._saved.layout.describe()}" in message
-    assert f"optimizer is at {target.optimizer._saved.layout.describe()}" in message
+    # The first record matched raises: the model's where the weights differ in dtype, else the optimizer's.
+    owner = "model" if "this model is at" in message else "optimizer"
+    assert f"at {NAMES[saved_at]} (" in message and f"this {owner} is at {NAMES[read_at]} (" in message
+    if owner == "optimizer":
+        assert f"written at {source.optimizer._saved.layout.describe()}" in message
+        assert f"optimizer is at {target.optimizer._saved.layout.describe()}" in message
+    else:
+        assert LEVELS[read_at][0] is not None  # only a model autocast placed carries the model's record
+        assert [v.dtype for v in source.weights] != [v.dtype for v in target.weights]
     assert "Nothing was restored" in message
     assert_bitwise(state(target), before)  # not one value read: no partial restore by position
+
+
+UNBUILT = [("O1", "O2"), ("O2", "O1"), ("O1-bfloat16", "O2-bfloat16"), ("O2", "O2-bfloat16"), ("O3", "O1")]
+
+
+@pytest.mark.parametrize("saved_at,read_at", UNBUILT, ids=[f"{a}-to-{b}" for a, b in UNBUILT])
+def test_checkpoint_of_other_weight_dtypes_raises_before_the_optimizer_is_built(saved_at, read_at, tmp_path):
+    """The model's own record names both levels: the optimizer's waits for build, TensorFlow's error names none."""
+    source = make(saved_at)
+    path = tf.train.Checkpoint(model=source, optimizer=source.optimizer).write(str(tmp_path / "ckpt"))
+    target = make(read_at, seed=1, trained=False, build=False)
+    before = values(target.weights)
+    with pytest.raises(ValueError, match="Nothing was restored") as raised:
+        tf.train.Checkpoint(model=target, optimizer=target.optimizer).read(path)
+    message = str(raised.value)
+    assert f"written from a model at {NAMES[saved_at]} (" in message and f"this model is at {NAMES[read_at]} (" in message
+    assert_bitwise(values(target.weights), before)
+    assert not target.optimizer.built
 
 
 def test_checkpoint_from_before_the_record_restores_as_before(tmp_path, monkeypatch):
