@@ -1,4 +1,4 @@
-"""Precision policies: opt levels, `set_policy` / `policy_scope`, the placement rules, `memory_report`."""
+"""Precision policies: `kmix.Policy`, `set_policy` / `policy_scope`, `memory_report`."""
 
 from kmix.policy.memory import MemoryReport, memory_report
 from kmix.policy.policy import Policy

@@ -1,19 +1,8 @@
 """`kmix.memory_report`: what training a model costs in memory under each policy.
 
-Per trainable parameter, with `s` optimizer slots per parameter:
-
-| part            | bytes                                                        |
-|-----------------|--------------------------------------------------------------|
-| parameters      | size(params dtype), non-trainable variables included         |
-| master weights  | 4 for float32 copies of half parameters; 2 for `"kahan"` (float16 buffers) |
-| gradients       | size(params dtype)                                           |
-| optimizer slots | s x 4 with float32 master weights or `"kahan"` (float32 slots), else s x size(params dtype) |
-
-The master-weight and slot bytes are measured: the optimizer is built, as
-`kmix.wrap` would build it, on a probe variable of the policy's parameter
-dtype, and its variables' bytes counted. So 8e9 parameters in bfloat16 with
-float32 masters and Adam (s = 2) take 16 + 32 + 16 + 64 = 128 GB before
-activations; with `"kahan"` 16 + 16 + 16 + 64 = 112 GB.
+Master-weight and optimizer-slot bytes are measured: the optimizer is built,
+as `kmix.wrap` would build it, on a probe variable of the policy's parameter
+dtype. docs/guide.md gives the bytes per parameter of each opt level.
 """
 
 import math
@@ -22,11 +11,11 @@ import numbers
 import keras
 import numpy as np
 
-from kmix.policy.policy import Policy, parse
+from kmix.policy.policy import _OPT_LEVELS, Policy, parse
 
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _PARTS = ("params", "master_weights", "grads", "optimizer_slots", "activations")
-_OPT_LEVELS = ("O0", "O1", "O2", "O3")
+_PROBE_SIZE = 64 * 64  # parameters of the probe variable the optimizer is built on
 
 
 class MemoryReport(dict):
@@ -241,11 +230,14 @@ def _slots_per_param(optimizer):
                 f"parameter, finite and >= 0. Received: optimizer={optimizer!r}."
             )
         return optimizer
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        optimizer = optimizer.inner_optimizer
+    if not isinstance(optimizer, (keras.optimizers.Optimizer, str, dict)):
+        raise TypeError(
+            "`optimizer` must be a Keras optimizer, a name, a config dict, a number of slots per "
+            f"parameter or None. Received: optimizer={optimizer!r} (of type {type(optimizer).__name__})."
+        )
     if isinstance(optimizer, keras.optimizers.Optimizer):
-        probe_opt = type(optimizer).from_config(optimizer.get_config())
-    elif isinstance(optimizer, (str, dict)):
+        probe_opt = _fresh(optimizer)
+    else:
         try:
             probe_opt = keras.optimizers.get(optimizer)
         except ValueError as e:
@@ -253,54 +245,40 @@ def _slots_per_param(optimizer):
                 f"`optimizer` is no Keras optimizer. Received: optimizer={optimizer!r}. Expected an "
                 f"optimizer, a name such as 'adam', a config dict, a slot count or None. ({e})"
             ) from None
-    else:
-        raise TypeError(
-            "`optimizer` must be a Keras optimizer, a name, a config dict, a number of slots per "
-            f"parameter or None. Received: optimizer={optimizer!r} (of type {type(optimizer).__name__})."
-        )
-    size = 4096
-    probe = keras.Variable(np.zeros((64, 64), np.float32), name="memory_report_probe")
-    probe_opt.build([probe])
-    slot_elements = sum(int(np.prod(v.shape)) for v in probe_opt.variables if len(v.shape) > 0)
-    return slot_elements / size
+    _built_on_probe(probe_opt, "float32")
+    return sum(int(np.prod(v.shape)) for v in probe_opt.variables if len(v.shape) > 0) / _PROBE_SIZE
 
 
 def _state_bytes(optimizer, slots, params_dtype, mode):
     """`(copy bytes, slot bytes)` per parameter of `params_dtype` under `master_weights=mode`.
 
-    Measured: a `kmix.LossScaleOptimizer` around a fresh copy of `optimizer`
-    is built on a probe variable of `params_dtype`, and the bytes of its
-    float32 copies or Kahan buffers and of its inner optimizer's slots are
-    counted. A slot count (an int) is costed by the rule instead: float32
-    copies 4 bytes, Kahan buffers 2, slots 4 bytes each with either, else
-    in the parameters' dtype.
+    Measured on a `kmix.LossScaleOptimizer` around a fresh copy of `optimizer`, built on a probe
+    variable; a slot count is costed by the rule: float32 copies 4 bytes, Kahan buffers 2, slots 4
+    bytes each with either, else in the parameters' dtype.
     """
-    half = params_dtype != "float32"
-    if not half or mode is None or isinstance(mode, bool) and not mode:
+    if params_dtype == "float32" or mode is None or mode is False:
         mode = False
-    if optimizer is None or slots == 0:
-        return {True: 4, "kahan": 2, False: 0}[mode], 0
-    if isinstance(optimizer, numbers.Real):
+    if optimizer is None or isinstance(optimizer, numbers.Real) or slots == 0:
         return {True: 4, "kahan": 2, False: 0}[mode], slots * (4 if mode else _BYTES[params_dtype])
     from kmix.optimizers.loss_scale import LossScaleOptimizer
 
-    wrapped = LossScaleOptimizer(_fresh(optimizer), dynamic=False, initial_scale=1.0, master_weights=mode,
-                                 fused_update=False)
-    size = 4096
-    probe = keras.Variable(np.zeros((64, 64), np.float32), dtype=params_dtype, name="memory_report_probe")
-    wrapped.build([probe])
+    wrapped = _built_on_probe(LossScaleOptimizer(_fresh(optimizer), dynamic=False, initial_scale=1.0,
+                                                 master_weights=mode, fused_update=False), params_dtype)
     state = [v for v in wrapped.variables if v.name.startswith(("master_", "kahan_"))]
     slot_vars = [v for v in wrapped.inner_optimizer.variables if len(v.shape) > 0]
-    return _nbytes(state) / size, _nbytes(slot_vars) / size
+    return _nbytes(state) / _PROBE_SIZE, _nbytes(slot_vars) / _PROBE_SIZE
+
+
+def _built_on_probe(optimizer, dtype):
+    """`optimizer`, built on a probe variable of `_PROBE_SIZE` zeros in `dtype`."""
+    optimizer.build([keras.Variable(np.zeros((64, 64), np.float32), dtype=dtype, name="memory_report_probe")])
+    return optimizer
 
 
 def _nbytes(variables):
     """The bytes of `variables`' values."""
-    total = 0
-    for v in variables:
-        dtype = keras.backend.standardize_dtype(v.dtype)
-        total += int(np.prod(v.shape)) * _BYTES.get(dtype, np.dtype(dtype).itemsize if dtype != "bfloat16" else 2)
-    return total
+    dtypes = [keras.backend.standardize_dtype(v.dtype) for v in variables]
+    return sum(int(np.prod(v.shape)) * (_BYTES.get(d) or np.dtype(d).itemsize) for v, d in zip(variables, dtypes))
 
 
 def _fresh(optimizer):

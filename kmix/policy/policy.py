@@ -1,51 +1,18 @@
 """`kmix.Policy`: which dtype parameters, computations and outputs use.
 
-A policy is a small immutable value, like jmp's: three dtypes plus two flags
-saying what the optimizer must do about them. It is parsed from one of three
-spellings:
-
-| spec                                  | params | compute | output | loss scale | master weights |
-|---------------------------------------|--------|---------|--------|------------|----------------|
-| `"O0"`                                | f32    | f32     | f32    | no         | no             |
-| `"O1"`                                | f32    | half    | f32    | if f16     | no             |
-| `"O2"`                                | half   | half    | f32    | if f16     | yes            |
-| `"O3"`                                | half   | half    | half   | if f16     | no             |
-| `"float32"`                           | f32    | f32     | f32    | no         | no             |
-| `"mixed_float16"` / `"mixed_bfloat16"`| f32    | half    | half   | if f16     | no             |
-| `"float16"` / `"bfloat16"`            | half   | half    | half   | if f16     | no             |
-| `"p=f32,c=f16,o=f32"` (jmp-style)     | any    | any     | any    | if f16     | if half params |
-
-`half` (float16 by default) is the half dtype of the opt levels. Keras names
-keep Keras's meaning: a Keras layer returns its compute dtype.
-
-Where the dtypes apply: `kmix.autocast(model, policy)` gives a model exactly
-this placement (with the opt levels' float32 normalization and softmax, and
-outputs in `output`). `kmix.set_policy` / `policy_scope` can only set one
-Keras policy, `to_keras()`, for every layer built inside them: a model built
-there computes and returns the compute dtype everywhere (under O2 its batch
-norm is half too); `kmix.wrap` follows the policy's loss scaling and master
-weights either way.
+A small immutable value, like jmp's: three dtypes and whether the optimizer
+needs loss scaling and master weights. It is parsed from an opt level
+(`"O0"`-`"O3"`), a Keras policy name, or a jmp-style string; docs/guide.md
+("Opt levels") gives each spelling's dtypes.
 """
 
 import keras
 
-_DTYPES = {
-    "float32": "float32",
-    "f32": "float32",
-    "float16": "float16",
-    "f16": "float16",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-}
+_DTYPES = {"float32": "float32", "f32": "float32", "float16": "float16", "f16": "float16",
+           "bfloat16": "bfloat16", "bf16": "bfloat16"}
 _HALF = ("float16", "bfloat16")
-_KEYS = {
-    "params": "params",
-    "p": "params",
-    "compute": "compute",
-    "c": "compute",
-    "output": "output",
-    "o": "output",
-}
+_KEYS = {"params": "params", "p": "params", "compute": "compute", "c": "compute", "output": "output",
+         "o": "output"}
 _OPT_LEVELS = ("O0", "O1", "O2", "O3")
 _KERAS_NAMES = ("float32", "mixed_float16", "mixed_bfloat16", "float16", "bfloat16")
 _ACCEPTED = (
@@ -138,11 +105,8 @@ class Policy:
                     f"Unknown policy spec. Received: spec={spec!r}.{_did_you_mean(stripped)} Accepted: {_ACCEPTED}."
                 )
         _check_expressible(spec, dtypes)
-        set_ = object.__setattr__
-        set_(self, "_spec", canonical)
-        set_(self, "_half", half)
-        set_(self, "_dtypes", dtypes)
-        set_(self, "_master", master)
+        for name, value in zip(self.__slots__, (canonical, half, dtypes, master)):
+            object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------- properties
     @property
@@ -302,13 +266,10 @@ def _parse_half(half):
 
 
 def _opt_level(level, half):
+    """`(dtypes, master weights)` of an opt level: O1 computes in half, O2 stores half too, O3 outputs half."""
     f32 = "float32"
-    return {
-        "O0": ((f32, f32, f32), False),
-        "O1": ((f32, half, f32), False),
-        "O2": ((half, half, f32), True),
-        "O3": ((half, half, half), False),
-    }[level]
+    return {"O0": ((f32, f32, f32), False), "O1": ((f32, half, f32), False),
+            "O2": ((half, half, f32), True), "O3": ((half, half, half), False)}[level]
 
 
 def _keras_name(name):

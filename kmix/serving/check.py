@@ -1,8 +1,6 @@
-"""The check of `kmix.export`'s artifact: its outputs read back against the float32 model's, on a sample.
+"""The check of `kmix.export`'s artifact against the float32 model on a sample, and what it reports."""
 
-A half model whose outputs are not finite where the float32 model's are is
-refused with a `NotFiniteError` naming the layers `kmix.diagnose` finds overflowing.
-"""
+import dataclasses
 
 import keras
 import numpy as np
@@ -26,8 +24,7 @@ class NotFiniteError(ValueError):
 
     def __init__(self, message, float32_layers, diagnosis):
         super().__init__(message)
-        self.float32_layers = float32_layers
-        self.diagnosis = diagnosis
+        self.float32_layers, self.diagnosis = float32_layers, diagnosis
 
 
 class Comparison:
@@ -36,8 +33,7 @@ class Comparison:
     Attributes:
         max_abs_diff: the largest |half - float32| over every output value.
         max_abs_float32: the largest |float32 output|, to read the difference against.
-        top1_agreement: for a single output with a last axis of 2 or more, how
-            often the argmax agrees; None otherwise.
+        top1_agreement: for a single output with a last axis of 2 or more, how often the argmax agrees; else None.
         finite, float32_finite: whether every half output is finite where float32's is, and every float32 one.
     """
 
@@ -49,9 +45,59 @@ class Comparison:
         diffs = [np.abs(g - r)[np.isfinite(r) & np.isfinite(g)] for r, g in zip(ref, got)]
         self.max_abs_diff = max((float(d.max()) for d in diffs if d.size), default=0.0)
         self.max_abs_float32 = max((float(np.abs(r[np.isfinite(r)]).max()) for r in ref if np.isfinite(r).any()), default=0.0)
-        self.top1_agreement = None
-        if len(ref) == 1 and ref[0].ndim >= 2 and ref[0].shape[-1] >= 2:
-            self.top1_agreement = float(np.mean(ref[0].argmax(-1) == got[0].argmax(-1)))
+        classes = len(ref) == 1 and ref[0].ndim >= 2 and ref[0].shape[-1] >= 2
+        self.top1_agreement = float(np.mean(ref[0].argmax(-1) == got[0].argmax(-1))) if classes else None
+
+
+@dataclasses.dataclass(repr=False, eq=False)
+class ExportReport:
+    """What `kmix.export` wrote and how far its outputs are from float32's; `str()` prints it.
+
+    Attributes:
+        paths: the artifacts written.
+        dtype: the half dtype of the weights.
+        sample: where the inputs checked came from, and their shapes.
+        max_abs_diff, max_abs_float32, top1_agreement: the artifact's outputs
+            against the float32 model's on the sample (`kmix.serving.Comparison`).
+        weight_bytes, float32_weight_bytes: the variables as stored, and in float32.
+        disk_bytes: `{path: bytes on disk}` of the artifact's own files.
+        load_seconds: `{path: seconds to read it back}`.
+        stored_in_half: the float32 layers storing half weights.
+        float32_layers: every layer computing in float32.
+        kept_float32: `{path: why}` for float32 layers with a matrix that keep float32 weights.
+    """
+
+    paths: list
+    dtype: str
+    sample: str
+    max_abs_diff: float
+    max_abs_float32: float
+    top1_agreement: float
+    weight_bytes: int
+    float32_weight_bytes: int
+    disk_bytes: dict
+    load_seconds: dict
+    stored_in_half: list
+    float32_layers: list
+    kept_float32: dict
+
+    def __str__(self):
+        top1 = "n/a" if self.top1_agreement is None else f"{self.top1_agreement:.1%}"
+        lines = [
+            f"kmix.export: {self.dtype} weights, float32 in and out; checked on a sample {self.sample}",
+            f"  max |out - float32|: {self.max_abs_diff:.4g} (largest |float32 out| {self.max_abs_float32:.4g}); "
+            f"top-1 = float32: {top1}",
+            f"  weights: {self.weight_bytes:,} bytes ({self.weight_bytes / max(self.float32_weight_bytes, 1):.2f}x "
+            f"their float32 {self.float32_weight_bytes:,})",
+            f"  float32 compute: {len(self.float32_layers)} layers; of these storing {self.dtype}: "
+            f"{self.stored_in_half or 'none'}",
+        ]
+        lines += [f"  float32 weights kept in {path}: {why}" for path, why in self.kept_float32.items()]
+        lines += [f"  wrote {path}: {self.disk_bytes[path]:,} bytes, read back in {self.load_seconds[path]:.2f} s"
+                  for path in self.paths]
+        return "\n".join(lines)
+
+    __repr__ = __str__
 
 
 def all_finite(outputs):
@@ -60,19 +106,13 @@ def all_finite(outputs):
 
 
 def inputs_to_check(model, sample):
-    """`(inputs, where they came from)`: `sample` (arrays, tensors, a dataset's first batch) or drawn from the specs.
-
-    Drawn: `DRAWN_BATCH` rows of `kmix.diagnose.data.sample_inputs`, token ids
-    below the smallest `Embedding`'s `input_dim`, float inputs in float32.
-    """
+    """`(inputs, where they came from)`: `sample` (arrays, tensors, a dataset's first batch) or drawn from the specs."""
     if sample is None:
         specs = input_specs(model)
         if specs is None:
-            raise ValueError(
-                f"`sample` is needed for model {model.name!r}: it has no input specs to draw one from "
-                "(a subclassed model built from several inputs). Pass `sample=x`, a batch of inputs as "
-                "the model takes them."
-            )
+            raise ValueError(f"`sample` is needed for model {model.name!r}: it has no input specs to draw one from "
+                             "(a subclassed model built from several inputs). Pass `sample=x`, a batch of inputs as "
+                             "the model takes them.")
         vocab = min((layer.input_dim for _, layer, _ in walk(model) if isinstance(layer, keras.layers.Embedding)),
                     default=2)
         float32 = keras.tree.map_structure(
@@ -87,49 +127,39 @@ def inputs_to_check(model, sample):
         sample, _, _ = keras.utils.unpack_x_y_sample_weight(batch) if isinstance(batch, tuple) else (batch, None, None)
     leaves = keras.tree.flatten(sample)
     if not leaves or not all(isinstance(t, (np.ndarray, tf.Tensor)) or hasattr(t, "__array__") for t in leaves):
-        raise TypeError(
-            "`sample` must be a batch of inputs as the model takes them: NumPy arrays or tensors (or a "
-            "list / dict of them), or a tf.data.Dataset. Received: "
-            f"sample of type {type(sample).__name__}."
-        )
+        raise TypeError("`sample` must be a batch of inputs as the model takes them: NumPy arrays or tensors (or a "
+                        "list / dict of them), or a tf.data.Dataset. "
+                        f"Received: sample of type {type(sample).__name__}.")
     shapes = keras.tree.map_structure(lambda t: tuple(np.shape(t)), sample)
     if any(len(np.shape(t)) == 0 or np.shape(t)[0] == 0 for t in leaves):
-        raise ValueError(
-            "`sample` must hold at least one row of inputs, batch axis first: kmix.export checks the half "
-            f"model against float32 on it. Received: sample with shapes {shapes}."
-        )
+        raise ValueError("`sample` must hold at least one row of inputs, batch axis first: kmix.export checks the "
+                         f"half model against float32 on it. Received: sample with shapes {shapes}.")
     return _as_input_dtypes(model, sample), f"given: {shapes}"
 
 
 def _as_input_dtypes(model, sample):
     """`sample` with each integer input in the dtype the model's input takes; what cannot be refused naming `sample`."""
-    specs = input_specs(model)
-    if specs is None:
-        return sample  # the signature is the sample's own
-    leaves, wanted = keras.tree.flatten(sample), keras.tree.flatten(specs)
+    specs, leaves = input_specs(model), keras.tree.flatten(sample)
+    wanted = [] if specs is None else keras.tree.flatten(specs)
     if len(leaves) != len(wanted):
-        return sample  # the structure is checked where the model runs on it
+        return sample  # no specs (the signature is the sample's own), or a structure checked where the model runs
     converted = []
     for leaf, spec in zip(leaves, wanted):
-        value = np.asarray(leaf)
-        target = spec.dtype.as_numpy_dtype
+        value, target = np.asarray(leaf), spec.dtype.as_numpy_dtype
         if spec.dtype.is_integer and value.dtype != target:
             if not np.issubdtype(value.dtype, np.integer) or (
                 value.size and (value.min() < np.iinfo(target).min or value.max() > np.iinfo(target).max)):
-                raise ValueError(
-                    f"`sample` must hold {spec.dtype.name} values where model {model.name!r} takes "
-                    f"{spec.dtype.name} inputs (token ids). Received: sample of dtype {value.dtype.name} "
-                    f"(values {value.min() if value.size else ''} to {value.max() if value.size else ''})."
-                )
+                low, high = (value.min(), value.max()) if value.size else ("", "")
+                raise ValueError(f"`sample` must hold {spec.dtype.name} values where model {model.name!r} takes "
+                                 f"{spec.dtype.name} inputs (token ids). Received: sample of dtype "
+                                 f"{value.dtype.name} (values {low} to {high}).")
             leaf = value.astype(target)
         elif spec.dtype.is_floating and value.dtype.kind in "iu":
             leaf = value.astype(np.float32)
         elif (spec.dtype.is_floating and value.dtype.kind != "f") or (spec.dtype.is_bool and value.dtype.kind != "b"):
             accepted = "real numbers (a float or integer array)" if spec.dtype.is_floating else "bool values"
-            raise ValueError(
-                f"`sample` must hold {accepted} where model {model.name!r} takes {spec.dtype.name} inputs. "
-                f"Received: sample of dtype {value.dtype.name}, shape {value.shape}."
-            )
+            raise ValueError(f"`sample` must hold {accepted} where model {model.name!r} takes {spec.dtype.name} "
+                             f"inputs. Received: sample of dtype {value.dtype.name}, shape {value.shape}.")
         converted.append(leaf)
     return keras.tree.pack_sequence_as(sample, converted)
 
@@ -140,16 +170,13 @@ def outputs(model, x):
 
 
 def refuse(comparison, reference, x, half, float32_layers):
-    """The `NotFiniteError` for a half model, naming the layers `kmix.diagnose` finds overflowing on `reference`.
-
-    `reference` is a float32 model, compiled here with a squared error against zeros (for the gradients).
-    """
+    """The `NotFiniteError` for a half model, naming the layers `kmix.diagnose` finds overflowing on `reference`."""
     from kmix.diagnose import diagnose
     from kmix.policy import Policy
 
     diagnosis = None
     try:
-        reference.compile(optimizer="sgd", loss="mse")
+        reference.compile(optimizer="sgd", loss="mse")  # a float32 model; its gradients of a squared error
         y = keras.tree.map_structure(lambda t: np.zeros(t.shape, np.float32), outputs(reference, x))
         diagnosis = diagnose(reference, x, y, policy=Policy("O1", half=half), batches=1,
                              batch_size=len(keras.tree.flatten(y)[0]), float32_layers=float32_layers)
@@ -163,10 +190,7 @@ def refuse(comparison, reference, x, half, float32_layers):
     advice = (f"Keep them in float32: kmix.export(model, path, dtype={half!r}, float32_layers={keep!r})"
               if found else "Pass the layers to keep in float32 as `float32_layers`, or use dtype='bfloat16' "
               "(float32's range)")
-    return NotFiniteError(
-        f"kmix.export refused to write: the {half} model's outputs are not finite on the sample where the "
-        f"float32 model's are (largest |float32 output| {comparison.max_abs_float32:.4g}). "
-        f"Layers to keep in float32: {found or 'not found'}; {why}\n{advice}.",
-        keep,
-        diagnosis,
-    )
+    return NotFiniteError(f"kmix.export refused to write: the {half} model's outputs are not finite on the sample "
+                          "where the float32 model's are (largest |float32 output| "
+                          f"{comparison.max_abs_float32:.4g}). Layers to keep in float32: {found or 'not found'}; "
+                          f"{why}\n{advice}.", keep, diagnosis)

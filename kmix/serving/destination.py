@@ -1,13 +1,10 @@
 """Where `kmix.export` writes: the path checked at the call, the artifact moved in whole, nothing else removed.
 
-As Keras's `model.export` / `model.save`: a SavedModel goes to a new path or
-an empty directory, a `.keras` file to a new path; anything else there is
-refused unless `overwrite=True`, which replaces only the artifact's own
-files. The artifact is written to a hidden partial path and moved in by
-`Target.commit` (one rename; two directories exchanged with `renameat2`; or,
-into a directory holding other files, its files moved one by one under a
-record that undoes them), so that an interrupt leaves the old artifact or
-the new one, never a mix. A later export cleans up what a killed one left.
+As Keras's `model.export` / `model.save`: a SavedModel goes to a new path or an empty directory, a `.keras` file
+to a new path; anything else there is refused unless `overwrite=True`, which replaces only the artifact's own
+files. `Target.commit` moves the artifact in with one rename, one exchange (`renameat2`), or file by file under
+a record that undoes them: an interrupt leaves the old artifact or the new one. The next export cleans up after
+a killed one. docs/guide.md ("What `export` writes at the path") says it for users.
 """
 
 import ctypes
@@ -54,21 +51,17 @@ class Target:
         path, shown = self.path, f"{self.name}={self.given!r}, overwrite={self.overwrite!r}"
         if self.keras:
             if os.path.isdir(path):
-                raise ValueError(
-                    f"`{self.name}` ends in '.keras' but names a directory: a `.keras` artifact is a file, and "
-                    "kmix.export never replaces a directory (Keras's `model.save` refuses one too). "
-                    f"Received: {shown}. Pass a new path."
-                )
+                raise ValueError(f"`{self.name}` ends in '.keras' but names a directory: a `.keras` artifact is a "
+                                 "file, and kmix.export never replaces a directory (Keras's `model.save` refuses "
+                                 f"one too). Received: {shown}. Pass a new path.")
             if os.path.lexists(path) and not self.overwrite:
                 raise ValueError(f"`{self.name}` names an existing file. Received: {shown}. Pass overwrite=True "
                                  "to replace it (the new file is moved in whole), or a new path.")
             return "file" if os.path.lexists(path) else "new"
         if os.path.lexists(path) and not os.path.isdir(path):
-            raise ValueError(
-                f"`{self.name}` names an existing file: a SavedModel is a directory, and kmix.export never "
-                f"replaces a file it did not write (Keras's `model.export` refuses one too). Received: {shown}. "
-                "Pass a new path or an empty directory."
-            )
+            raise ValueError(f"`{self.name}` names an existing file: a SavedModel is a directory, and kmix.export "
+                             "never replaces a file it did not write (Keras's `model.export` refuses one too). "
+                             f"Received: {shown}. Pass a new path or an empty directory.")
         if not os.path.lexists(path):
             return "new"
         ours = os.path.basename(getattr(self, "partial", ""))
@@ -86,10 +79,9 @@ class Target:
                                  ("assets", True)]:
             there = os.path.join(path, entry)
             if os.path.lexists(there) and os.path.isdir(there) != directory:
-                raise ValueError(
-                    f"`{self.name}` holds {entry!r}, which is {'not ' if directory else ''}a directory, where the "
-                    f"SavedModel writes its {entry}: kmix.export does not replace it. Received: {shown}."
-                )
+                raise ValueError(f"`{self.name}` holds {entry!r}, which is {'not ' if directory else ''}a directory, "
+                                 f"where the SavedModel writes its {entry}: kmix.export does not replace it. "
+                                 f"Received: {shown}.")
         swap = entries and not working and not os.path.ismount(path) and _only_saved_model_files(path)
         return "swap" if swap else "merge"
 
@@ -106,8 +98,7 @@ class Target:
 
     def discard(self):
         """Removes the partial artifact (after a failure); a merge it began and did not finish is undone first."""
-        if os.path.isfile(os.path.join(self.partial, _JOURNAL)):
-            _undo_merge(self.partial)
+        _undo_merge(self.partial)
         _remove(self.partial)
         _put_back(_aside(self.partial), self.path)
 
@@ -129,16 +120,12 @@ def clean_leftovers(directory):
         elif match.group(1) == "replaced":  # an old artifact moved aside
             _put_back(leftover, os.path.join(directory, name[match.end():].split("-", 1)[-1]))
         else:
-            if os.path.isfile(os.path.join(leftover, _JOURNAL)):  # a merge it did not finish
-                _undo_merge(leftover)
+            _undo_merge(leftover)  # a merge it did not finish
             _remove(leftover)
     if running:
-        warnings.warn(
-            f"kmix.export found partial artifacts left by processes that are still running: {running}. They "
-            "are another export's, in progress, or a killed export's whose process id was taken since; "
-            "remove them once no export is running.",
-            stacklevel=5,
-        )
+        warnings.warn(f"kmix.export found partial artifacts left by processes that are still running: {running}. "
+                      "They are another export's, in progress, or a killed export's whose process id was taken "
+                      "since; remove them once no export is running.", stacklevel=5)
 
 
 def _swap(partial, path):
@@ -186,9 +173,8 @@ def _exchange(a, b):
 def _merge(partial, path):
     """Moves the files of `partial` into the directory `path`, replacing only those of the same names.
 
-    The record (`_JOURNAL`) is written first and removed last (the commit);
-    a replaced file is hard-linked into `partial` first, so `_undo_merge` can
-    put everything back while the record is there.
+    The record (`_JOURNAL`) is written first and removed last (the commit); a replaced file is hard-linked
+    into `partial` first, so `_undo_merge` can put everything back while the record is there.
     """
     dirs, files = _tree(partial)
     record = {"target": path, "files": files,
@@ -206,12 +192,13 @@ def _merge(partial, path):
             os.replace(source, there)
         os.remove(os.path.join(partial, _JOURNAL))
     finally:
-        if os.path.isfile(os.path.join(partial, _JOURNAL)):  # not committed: undone
-            _undo_merge(partial)
+        _undo_merge(partial)  # not committed: undone
 
 
 def _undo_merge(partial):
-    """Puts back what `_merge` moved from `partial` (a file no longer there was moved); idempotent."""
+    """Puts back what `_merge` moved from `partial` (a file no longer there was moved); nothing without its record."""
+    if not os.path.isfile(os.path.join(partial, _JOURNAL)):
+        return
     with open(os.path.join(partial, _JOURNAL)) as f:
         record = json.load(f)
     path = record["target"]
@@ -281,7 +268,7 @@ def _running(pid):
     return True
 
 
-def _write_json(path, value):
+def _write_json(path, value):  # a step of its own: tests interrupt the export at each file-system step
     with open(path, "w") as f:
         json.dump(value, f)
 

@@ -1,15 +1,7 @@
 """The half weights `kmix.export` serves and stores: one choice of which variables go half, two ways to hold them.
 
-A SavedModel is served from the user's model itself through `HalfWeights`:
-half `tf.Variable` copies of the float32 variables its half layers read, and
-of the matrices of its float32 layers (the output layer). A `.keras` file
-is written from a placed copy whose float32 layers holding a matrix store
-it in half (`store_in_half`, `HalfStoragePolicy`). Either way, vectors of
-float32 layers (normalization) and values beyond the half range stay float32.
-
-    >>> weights = HalfWeights(model, "bfloat16")      # model placed in place first
-    >>> with weights.serving():
-    ...     out = weights.call(x)                      # float32 in, float32 out
+A SavedModel serves the model through `HalfWeights`; a `.keras` file is written from a placed copy whose float32
+layers store their matrices half (`store_in_half`). Vectors of float32 layers and values beyond the half range stay.
 """
 
 import keras
@@ -20,18 +12,17 @@ from kmix import _compat
 from kmix._tree import own_weights, walk
 from kmix.diagnose.probe import HALF_RANGES
 from kmix.placing import twin, write
+from kmix.serving import artifact
 
 
 @keras.saving.register_keras_serializable(package="kmix")
 class HalfStoragePolicy(keras.DTypePolicy):
     """A dtype policy that stores variables in a half dtype and computes in float32 (`mixed_bfloat16` reversed).
 
-    A layer carries it inside a `keras.dtype_policies.DTypePolicyMap`, which
-    `keras.models.load_model` restores with `kmix` imported.
+    A layer carries it in a `keras.dtype_policies.DTypePolicyMap`, which `load_model` restores with `kmix` imported.
 
     Args:
-        name: `"stored_bfloat16"` or `"stored_float16"`, or the half dtype
-            itself (`"bfloat16"`, `"float16"`).
+        name: `"stored_bfloat16"` or `"stored_float16"`, or the half dtype itself (`"bfloat16"`, `"float16"`).
 
     Example:
 
@@ -43,13 +34,10 @@ class HalfStoragePolicy(keras.DTypePolicy):
     def __init__(self, name="stored_bfloat16"):
         half = name.removeprefix("stored_") if isinstance(name, str) else None
         if half not in HALF_RANGES:
-            raise ValueError(
-                "`name` must be 'stored_bfloat16' or 'stored_float16' (or 'bfloat16' / 'float16'). "
-                f"Received: name={name!r}"
-            )
+            raise ValueError("`name` must be 'stored_bfloat16' or 'stored_float16' (or 'bfloat16' / 'float16'). "
+                             f"Received: name={name!r}")
         super().__init__("float32")
-        self._name = f"stored_{half}"
-        self._half = half
+        self._name, self._half = f"stored_{half}", half
 
     @property
     def variable_dtype(self):
@@ -58,7 +46,9 @@ class HalfStoragePolicy(keras.DTypePolicy):
 
 
 def _chosen(model, half, float32_compute_only=False):
-    """`(path, layer, float32 variables, in_float32, why kept float32 or None)` of each layer with some to halve."""
+    """`(rows, kept)`: `(path, layer, float32 variables, in_float32)` of each layer whose variables go half, and
+    `{path: why}` for the float32 layers holding a matrix that keep float32 (a value beyond the half range)."""
+    rows, kept = [], {}
     for path, layer, _ in walk(model):
         weights = [v for v in own_weights(layer) if keras.backend.standardize_dtype(v.dtype) == "float32"]
         in_float32 = layer.compute_dtype == "float32"
@@ -66,13 +56,15 @@ def _chosen(model, half, float32_compute_only=False):
         if not weights or (in_float32 and not has_matrix) or (float32_compute_only and not in_float32):
             continue
         largest = max(float(tf.reduce_max(tf.abs(v.value))) if int(np.prod(v.shape)) else 0.0 for v in weights)
-        too_large = largest > HALF_RANGES[half].max
-        why = f"a value of {largest:.4g} is beyond {half}'s range" if too_large else None
-        yield path, layer, weights, in_float32, why
+        if largest <= HALF_RANGES[half].max:
+            rows.append((path, layer, weights, in_float32))
+        elif in_float32:
+            kept[path] = f"a value of {largest:.4g} is beyond {half}'s range"
+    return rows, kept
 
 
 class HalfWeights:
-    """Half copies of `model`'s weights, as `kmix.export` serves a SavedModel (see the module).
+    """Half copies of `model`'s weights, as `kmix.export` serves a SavedModel.
 
     Attributes:
         pairs: `(model variable, half tf.Variable)` for every weight served half.
@@ -82,20 +74,15 @@ class HalfWeights:
 
     def __init__(self, model, half):
         self.model, self.half = model, half
-        self.pairs, self.stored_in_half, self.kept_float32 = [], [], {}
-        self._swapped, self._mapped = [], []  # pairs of half layers / of float32 layers
-        for path, _, weights, in_float32, too_large in _chosen(model, half):
-            if too_large:
-                if in_float32:
-                    self.kept_float32[path] = too_large
-                continue
+        rows, self.kept_float32 = _chosen(model, half)
+        self.stored_in_half = [path for path, _, _, in_float32 in rows if in_float32]
+        self.pairs, self._swapped, self._mapped = [], [], []  # all pairs; those of half layers / of float32 layers
+        for _, _, weights, in_float32 in rows:
             for variable in weights:
                 pair = (variable, tf.Variable(tf.cast(variable.value, half), trainable=False,
                                               name=variable.path.replace("/", "_")))
                 self.pairs.append(pair)
                 (self._mapped if in_float32 else self._swapped).append(pair)
-            if in_float32:
-                self.stored_in_half.append(path)
 
     def serving(self):
         """A context in which the half layers' variables read their half copies (their storage swapped)."""
@@ -106,7 +93,7 @@ class HalfWeights:
         mapping = [(variable, tf.cast(copy, "float32")) for variable, copy in self._mapped]
         with keras.StatelessScope(state_mapping=mapping):
             out = self.model(x, training=False)
-        return keras.tree.map_structure(lambda t: tf.cast(t, tf.float32) if t.dtype.is_floating else t, out)
+        return artifact.as_float32(out)
 
     def variables(self):
         """The half variables (the artifact stores them)."""
@@ -125,15 +112,12 @@ def store_in_half(model, half):
         half: `"bfloat16"` or `"float16"`.
 
     Returns:
-        `(stored, kept)`: the paths of the layers now storing half variables,
-        and `{path: reason}` for the float32 layers with a matrix that keep
-        float32 variables (a value beyond the half range).
+        `(stored, kept)`: the paths of the layers now storing half variables, and `{path: reason}` for the
+        float32 layers with a matrix that keep float32 variables (a value beyond the half range).
     """
-    stored, kept = [], {}
-    for path, layer, weights, _, too_large in list(_chosen(model, half, float32_compute_only=True)):
-        if too_large:
-            kept[path] = too_large
-            continue
+    rows, kept = _chosen(model, half, float32_compute_only=True)
+    stored = [path for path, _, _, _ in rows]
+    for _, layer, weights, _ in rows:
         for variable in weights:
             _compat.recast_variable(variable, half)
         policy, current = HalfStoragePolicy(half), layer.dtype_policy
@@ -142,7 +126,6 @@ def store_in_half(model, half):
         else:  # a map is the one form a saved config keeps the policy in
             layer.dtype_policy = keras.dtype_policies.DTypePolicyMap(default_policy=current,
                                                                      policy_map={layer.path: policy})
-        stored.append(path)
     if stored:
         # Where a block re-creates a stored layer with its own dtype (a keras-hub backbone's token
         # embedding), the block's policy map records the layer's, so that `load_model` restores it.
