@@ -26,7 +26,6 @@ import tensorflow as tf
 from kmix import _compat, _state
 
 RECORD_NAME = "kmix_layout"  # the key in a weights store, the dependency in a checkpoint
-MODEL_RECORD_NAME = "kmix_level"  # the model's dependency in a checkpoint
 _STATE_WORDS = {"masters": "float32 master copies", "kahan": "Kahan remainders (master_weights='kahan')",
                 "none": "no master copies"}
 
@@ -84,35 +83,6 @@ class Layout:
                        bool(fields["scaled"])), fields
         except (ValueError, TypeError, KeyError, AttributeError):
             return None, {}
-
-
-def record_model_level(model):
-    """Makes `model`'s checkpoints carry its opt level and weight dtypes (dependency `kmix_level`).
-
-    `autocast` calls it. A `tf.train.Checkpoint` read whose model weights differ
-    in dtype then raises naming both levels before any value is read, also
-    where the optimizer is not built yet (its own record waits for `build`).
-    """
-    def layout():
-        return Layout.of(model.weights, "model", False)
-
-    def describe(layout):
-        params = " and ".join(f"{n} {dtype}" for dtype, n in layout.params) or "no"
-        return f"{layout.level} ({params} weights)"
-
-    def check(saved_text):
-        saved, _ = Layout.decode(saved_text)
-        here = layout()
-        if saved is not None and saved.params != here.params:
-            raise ValueError(
-                f"This tf.train.Checkpoint was written from a model at {describe(saved)}; this model is at "
-                f"{describe(here)}. A checkpoint restores each value as saved into the object in its place, and "
-                f"the weights differ in dtype. Nothing was restored. To convert it, restore it into the model "
-                f"placed at {saved.level} with its optimizer, write model.save_weights('converted.weights.h5'), "
-                "and load_weights that file here: weights files convert between opt levels.")
-
-    label = f"kmix's record of the model's opt level ({MODEL_RECORD_NAME})"
-    _compat.attach_record(model, MODEL_RECORD_NAME, _compat.NamedMark(lambda: layout().encode(), check, label))
 
 
 class SavedLevel:

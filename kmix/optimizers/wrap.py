@@ -2,7 +2,6 @@
 
 import inspect
 import logging
-import warnings
 
 import keras
 import tensorflow as tf
@@ -82,42 +81,3 @@ def _get_optimizer(optimizer):
                              f"dict. ({e})") from None
     raise TypeError("`optimizer` must be a keras.optimizers.Optimizer instance, a name such as 'adam', or a config "
                     f"dict. Received: optimizer={optimizer!r} (of type {type(optimizer).__name__}).")
-
-
-def unscaled_reason(optimizer):
-    """Why `optimizer` will not scale the loss, or None when it will (or decides when built)."""
-    if optimizer is None or isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and not isinstance(
-            optimizer, LossScaleOptimizer):
-        return None  # Keras's own is always dynamic
-    if isinstance(optimizer, LossScaleOptimizer):
-        if optimizer.dynamic or not optimizer.built or float(optimizer.loss_scale) != 1.0:
-            return None
-        return (f"kmix.LossScaleOptimizer {optimizer.name!r}, built with a fixed loss scale of 1 (wrapped outside "
-                "a float16 policy, or with dynamic=False)")
-    return (f"a plain {type(optimizer).__name__} (Keras adds loss scaling only when `compile` runs under "
-            "mixed_float16)")
-
-
-def warn_if_unscaled(model, policy):
-    """Warns once when `model` computes in float16 (`policy`) but its optimizer will not scale the loss.
-
-    `kmix.autocast` calls it at its end, for a model compiled before it was placed.
-
-    Returns:
-        True if it warned.
-    """
-    if policy.compute_dtype != "float16" or not getattr(model, "compiled", False):
-        return False
-    optimizer = getattr(model, "optimizer", None)
-    reason = unscaled_reason(optimizer)
-    if reason is None:
-        return False
-    inner = type(getattr(optimizer, "inner_optimizer", optimizer)).__name__
-    inner = f"keras.optimizers.{inner}" if getattr(keras.optimizers, inner, None) is not None else inner
-    warnings.warn(
-        f"Model {model.name!r} now computes in float16 ({policy.name}) but was compiled with {reason}: it will "
-        "train with no loss scaling, so small float16 gradients flush to zero. Recompile it inside the policy's "
-        f"scope: `with kmix.policy_scope({policy.name!r}): model.compile(optimizer=kmix.wrap({inner}(...)), "
-        "loss=...)`.", UserWarning, stacklevel=3)
-    return True
-

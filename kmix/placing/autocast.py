@@ -23,9 +23,8 @@ from kmix import _checks, _compat, _preserved
 from kmix._state import record_model
 from kmix._tree import is_graph_model, own_weights, resolved_policy
 from kmix.diagnose import islands
-from kmix.optimizers.saved_level import record_model_level
-from kmix.optimizers.wrap import warn_if_unscaled
 from kmix.placing import repair, trace, twin, write
+from kmix.placing.records import record_model_level, warn_if_unscaled
 from kmix.placing.rules import Kind, Rules, gather
 from kmix.policy.policy import parse
 

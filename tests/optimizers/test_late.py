@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kmix
-from kmix.optimizers.wrap import warn_if_unscaled
+from kmix.placing.records import warn_if_unscaled
 
 X = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
 Y = X.sum(axis=1, keepdims=True)
