@@ -6,33 +6,20 @@ import sys
 
 
 def main(argv=None):
-    """Runs the diagnosis, prints it and saves the PNG; returns the `kmix.Diagnosis`.
+    """Runs the diagnosis, prints it and saves the PNG; returns the `kmix.Diagnosis`, its `plot_path` set.
 
     Args:
         argv: command-line arguments (`--help` lists them); `sys.argv` by default.
-
-    Returns:
-        The `kmix.Diagnosis`, with `plot_path` set to the PNG's path.
-
-    Example:
-        >>> d = kmix.diagnose.cli.main(["--demo", "--batches", "1"])
-        >>> d.first_nonfinite_layer
-        'attention0'
     """
-    parser = argparse.ArgumentParser(
-        prog="python -m kmix diagnose",
-        description="Find why a float32 model would fail in half precision, before training: per-layer "
-        "overflow and underflow, the first non-finite layer, the layers to keep in float32, the initial "
-        "loss scale and the policy. In Python: kmix.diagnose(model, x, y).",
-    )
-    parser.add_argument("--demo", action="store_true",
-                        help="diagnose the demo's encoder (`python -m kmix demo`) with the hand-written "
-                        "(1 - mask) * -1e9 attention mask")
-    parser.add_argument("--policy", default="mixed_float16",
-                        help="the half-precision policy to check (default mixed_float16)")
+    parser = argparse.ArgumentParser(prog="python -m kmix diagnose", description=(
+        "Find why a float32 model would fail in half precision, before training: per-layer overflow and underflow, "
+        "the first non-finite layer, the layers to keep in float32, the initial loss scale and the policy. In "
+        "Python: kmix.diagnose(model, x, y)."))
+    parser.add_argument("--demo", action="store_true", help="diagnose the demo's encoder (`python -m kmix demo`) "
+                        "with the hand-written (1 - mask) * -1e9 attention mask")
+    parser.add_argument("--policy", default="mixed_float16", help="the half policy to check (default mixed_float16)")
     parser.add_argument("--batches", type=int, default=4, help="batches of 32 sequences to run (default 4)")
-    parser.add_argument("--out", default="kmix-out",
-                        help="folder for the PNG, created if missing (default ./kmix-out)")
+    parser.add_argument("--out", default="kmix-out", help="folder for the PNG, created if missing (default ./kmix-out)")
     args = parser.parse_args(argv)
     if not args.demo:
         parser.error("the command line diagnoses the demo's model only (--demo); for your own model call "

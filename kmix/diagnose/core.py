@@ -6,74 +6,58 @@ import numpy as np
 import tensorflow as tf
 
 from kmix import _preserved
-from kmix.diagnose import data, graph, probe, report
+from kmix.diagnose import data, probe, report
 from kmix.policy import Policy
 from kmix.route.facts import fast_bfloat16
 
-MARGIN = 8.0  # the recommended scale keeps the largest gradient this far below the half maximum
 SCALE_RANGE = (2.0**-24, 2.0**24)  # kmix.LossScaleOptimizer's default cap is 2^24
+TRACE_LIMIT = 32  # layers whose half-precision graph is inspected
 
 
 def diagnose(model, x, y=None, policy="mixed_float16", batches=4, batch_size=32, bfloat16_available=None,
              float32_layers=None):
     """Runs a float32 model on a few batches and finds what would fail under a half policy.
 
-    In float32 it records, per layer (nested ones included), the largest
-    |output| and the shares of outputs and gradients that overflow or flush
-    to zero in the half dtype; then it runs the same batches in the half
-    dtype and finds the first layer whose output turns non-finite from finite
-    inputs, tracing such a layer for a constant beyond the half range (a
-    `-1e9` mask) feeding a softmax. The model, its weights, its optimizer
-    and the global dtype policy are left as they were.
+    Per layer, nested ones included: the shares of outputs and gradients that overflow or flush to zero in the
+    half dtype, and where a half run of the same batches turns non-finite, and why (docs/guide.md, "Diagnose
+    before training"). The model, its weights, its optimizer and the global dtype policy are left as they were.
 
     Args:
-        model: a compiled `keras.Model` computing in float32; its loss
-            (`model.compute_loss`) gives the gradients.
-        x: the inputs, as `model.fit` takes them: arrays or tensors (or a
-            list / dict of them), or a `tf.data.Dataset` of `(x, y[, sample_weight])` batches.
+        model: a compiled `keras.Model` computing in float32; its loss gives the gradients.
+        x: the inputs as `model.fit` takes them, or a `tf.data.Dataset` of `(x, y[, sample_weight])` batches.
         y: the targets, for array inputs; None with a dataset.
         policy: the half policy to check, as `kmix.Policy` accepts it (`"mixed_float16"`).
-        batches: how many batches to run, an int >= 1.
-        batch_size: the batch size for array inputs.
-        bfloat16_available: whether the training device has bfloat16
-            hardware (None: `kmix.device.fast_bfloat16()`); only
-            `recommended_policy` depends on it.
-        float32_layers: layer names or paths the half run keeps in float32,
-            as `kmix.autocast(float32_layers=...)` would; not reported.
+        batches: how many batches to run, an int >= 1; `batch_size`: rows per batch of array inputs.
+        bfloat16_available: whether the device has bfloat16 hardware (None: `kmix.device.fast_bfloat16()`);
+            only `recommended_policy` depends on it.
+        float32_layers: layer names or paths the half run keeps in float32, as `kmix.autocast` would.
 
     Returns:
-        A `kmix.Diagnosis`; `print(diagnosis)` shows the table and findings.
-
-    Raises:
-        TypeError / ValueError: naming the argument, for a model that is not
-            a compiled float32 `keras.Model`, data of the wrong structure, a
-            policy without half compute, or `batches < 1`.
+        A `kmix.Diagnosis`; `print(diagnosis)` shows the table and findings. A TypeError or ValueError
+        names the argument at fault (a model not compiled or not float32, data, policy, `batches`).
 
     Example:
 
-    >>> model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     >>> d = kmix.diagnose(model, x_train, y_train, policy="mixed_float16")
     >>> print(d)                      # per-layer table and one line per finding
     >>> fast = kmix.autocast(model, "O1", float32_layers=d.float32_layers)
-    >>> with kmix.policy_scope("O1"):
-    ...     fast.compile(optimizer=kmix.wrap("adam", initial_scale=d.recommended_scale), loss=...)
     """
     data.check_model(model)
     policy = data.check_policy(policy)
     if bfloat16_available is not None and not isinstance(bfloat16_available, bool):
-        raise TypeError(
-            "`bfloat16_available` must be True, False or None (ask this machine). Received: "
-            f"bfloat16_available={bfloat16_available!r}."
-        )
+        raise TypeError("`bfloat16_available` must be True, False or None (ask this machine). Received: "
+                        f"bfloat16_available={bfloat16_available!r}.")
     found = data.batches(x, y, batches, batch_size)
     half = policy.compute_dtype
-    limits = probe.HALF_RANGES[half]
     if not model.built:
         data.forward(model, found[0][0], training=False)
     nodes = probe.layer_nodes(model)
-    _keep(nodes, data.check_float32_layers(float32_layers, nodes))
+    names = data.check_float32_layers(float32_layers, nodes)
+    for node in nodes:  # parents come before their children: a layer named is kept, with everything inside
+        inherited = node.parent is not None and node.parent.kept
+        node.kept = node.kept or inherited or node.path in names or node.layer.name in names
     data.check_float32(nodes)
-    run, flaky = _Float32Run(nodes, half), _HalfRun()
+    run = _Float32Run(nodes, half)
     # The model's layers and variables (batch-norm statistics, seed states) come back as they were.
     with _preserved.Preserved(model, saved="all") as kept:
         for bx, by, bsw in found:
@@ -84,29 +68,18 @@ def diagnose(model, x, y=None, policy="mixed_float16", batches=4, batch_size=32,
                 node.layer.dtype_policy = f"mixed_{half}"
         # Constants such as -1e9 overflow as they are cast to float16: that is expected here.
         with np.errstate(over="ignore", invalid="ignore"):
-            for bx, _, _ in found:
-                flaky.batch(model, nodes, bx)
-            masks = graph.trace_nonfinite(flaky.calls, flaky.first_args, half, limits.max)
-    return _decide(model, policy, run, flaky, masks, bfloat16_available, len(found))
-
-
-def _keep(nodes, names):
-    """Marks the nodes named (by name or path) and everything inside them as kept in float32."""
-    for node in nodes:  # parents come before their children
-        if node.path in names or node.layer.name in names or (node.parent is not None and node.parent.kept):
-            node.kept = True
+            calls, first_args, error = _half_run(model, nodes, found)
+            masks = trace_nonfinite(calls, first_args, half, probe.HALF_RANGES[half].max)
+    return _decide(model, policy, run, calls, error, masks, bfloat16_available, len(found))
 
 
 class _Float32Run:
     """Per-layer statistics of outputs, inputs and gradients over the float32 batches."""
 
     def __init__(self, nodes, half):
-        self.nodes, self.half = nodes, half
-        self.stats = {}  # node -> report.LayerStats, in first-call order
-        self.weights = {}  # variable path -> probe.TensorStats
-        self.histogram = probe.Log2Histogram()
-        self.nonfinite = []  # per batch: ids of the nodes with non-finite float32 outputs
-        self.losses = []
+        self.nodes, self.half, self.histogram = nodes, half, probe.Log2Histogram()
+        self.stats, self.weights = {}, {}  # node -> report.LayerStats (in first-call order); path -> TensorStats
+        self.nonfinite, self.losses = [], []  # per batch: ids of the nodes with non-finite float32 outputs; loss
 
     def batch(self, model, x, y, sample_weight):
         calls = []
@@ -115,8 +88,7 @@ class _Float32Run:
             calls.append((node, probe.floating(outputs), probe.floating((args, kwargs))))
 
         def start(node):  # the table lists layers in the order their calls begin
-            if node not in self.stats:
-                self.stats[node] = report.LayerStats(node)
+            self.stats.setdefault(node, report.LayerStats(node))
 
         with tf.GradientTape() as tape:
             with probe.patched_calls(self.nodes, hook, start):
@@ -124,11 +96,9 @@ class _Float32Run:
             try:
                 loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
             except (ValueError, TypeError, KeyError, tf.errors.InvalidArgumentError) as e:
-                raise ValueError(
-                    f"`y` does not fit model {model.name!r}'s outputs and loss (received "
-                    f"{'y=None' if y is None else 'y'}): computing the loss "
-                    f"failed with {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
-                ) from e
+                raise ValueError(f"`y` does not fit model {model.name!r}'s outputs and loss (received "
+                                 f"{'y=None' if y is None else 'y'}): computing the loss failed with "
+                                 f"{type(e).__name__}: {data.first_line(e, 300)}") from e
         self.losses.append(float(loss))
         outputs = list({id(t): t for _, outs, _ in calls for t in outs}.values())  # each tensor once
         variables = list(model.trainable_variables)
@@ -138,8 +108,7 @@ class _Float32Run:
         for node, outs, ins in calls:
             row = self.stats[node]
             row.calls += 1
-            for t in ins:
-                row.input_max = max(row.input_max, _max_abs(t))
+            row.input_max = max([row.input_max] + [probe.max_finite(t) for t in ins])
             nonfinite_before = row.output.nonfinite
             for t in outs:
                 row.output.add(t, self.half, values=False)
@@ -153,83 +122,105 @@ class _Float32Run:
                 bad.add(id(node))
         self.nonfinite.append(bad)
         for variable, g in zip(variables, grads[len(outputs):]):
-            if g is None:
-                continue
-            stats = self.weights.setdefault(variable.path, probe.TensorStats())
-            self.histogram.add(stats.add(tf.convert_to_tensor(g), self.half))
-
-
-def _max_abs(t):
-    a = tf.abs(tf.cast(t, tf.float32))
-    return float(tf.reduce_max(tf.where(tf.math.is_finite(a), a, tf.zeros_like(a)))) if a.shape.num_elements() else 0.0
+            if g is not None:
+                stats = self.weights.setdefault(variable.path, probe.TensorStats())
+                self.histogram.add(stats.add(tf.convert_to_tensor(g), self.half))
 
 
 def _all_finite(tensors):
     return all(bool(tf.reduce_all(tf.math.is_finite(t))) for t in tensors)
 
 
-class _HalfRun:
-    """The calls of the half-precision run: which layers turn non-finite, from what inputs.
+def _half_run(model, nodes, found):
+    """The half run: `(calls, first_args, error)`.
 
-    A layer that raises ends the run: `error` is `(innermost node under way, exception)`.
+    `calls`: per batch `[(node, inputs_finite, outputs_finite)]`; `first_args`: each node's first non-finite call's
+    `(args, kwargs)`; `error`: `(innermost node under way, exception)` where a layer raised, which ends the run.
     """
+    calls, first_args, running = [], {}, []
 
-    def __init__(self):
-        self.calls = []  # per batch: [(node, inputs_finite, outputs_finite)] in completion order
-        self.first_args = {}  # node -> (args, kwargs) of its first non-finite call
-        self.error = None
+    def hook(node, args, kwargs, outputs):
+        running.pop()
+        out_ok = _all_finite(probe.floating(outputs))
+        calls[-1].append((node, _all_finite(probe.floating((args, kwargs))), out_ok))
+        if not out_ok:
+            first_args.setdefault(node, (args, kwargs))
 
-    def batch(self, model, nodes, x):
-        if self.error is not None:
-            return
-        calls, running = [], []
+    with probe.patched_calls(nodes, hook, start=running.append):
+        for bx, _, _ in found:
+            calls.append([])
+            try:
+                model(bx, training=True)
+            except Exception as e:  # noqa: BLE001  a layer raising in half precision (any type) is the finding
+                if not running:
+                    raise
+                return calls, first_args, (running[-1], e)
+    return calls, first_args, None
 
-        def hook(node, args, kwargs, outputs):
-            running.pop()
-            out_ok = _all_finite(probe.floating(outputs))
-            calls.append((node, _all_finite(probe.floating((args, kwargs))), out_ok))
-            if not out_ok and node not in self.first_args:
-                self.first_args[node] = (args, kwargs)
 
+def trace_nonfinite(calls, first_args, half, limit):
+    """`{node: (values, feeds_softmax)}`: `big_constants` of the innermost layers the half run saw turn non-finite."""
+    found = {}
+    order = [node for batch in calls for node, _, ok in batch if not ok]
+    for node in list(dict.fromkeys(order))[:TRACE_LIMIT]:
+        if any(inner is not node and node in set(inner.ancestors()) for inner in found):
+            continue
+        args, kwargs = first_args[node]
         try:
-            with probe.patched_calls(nodes, hook, start=running.append):
-                model(x, training=True)
-        except Exception as e:  # noqa: BLE001  a layer raising in half precision (any type, user code) is the finding
-            if not running:
-                raise
-            self.error = (running[-1], e)
-        self.calls.append(calls)
+            fn = tf.function(lambda a, k, layer=node.layer: layer(*a, **k), autograph=False)
+            graph = fn.get_concrete_function(args, kwargs).graph
+        except (TypeError, ValueError, AttributeError, NotImplementedError, tf.errors.OpError):
+            continue  # a layer that cannot be traced (Python on tensors, numpy calls) is not inspected
+        values, softmax = big_constants(graph, half, limit)
+        if values:
+            found[node] = (values, softmax)
+    return found
 
 
-def _decide(model, policy, run, flaky, masks, bfloat16_available, n_batches):
-    """Turns the two runs into a `Diagnosis`."""
+def big_constants(graph, half, limit):
+    """The constants of `graph` beyond the half range (a Python `-1e9` mask), and whether any reaches a softmax."""
+    half = tf.as_dtype(half)
+    sources, values = [], []
+    for op in graph.get_operations():
+        if op.type == "Const" and op.get_attr("dtype") == half:  # inf in the half dtype, or a float32 one cast
+            value = tf.make_ndarray(op.get_attr("value")).astype(np.float32)
+            beyond = ~np.isfinite(value)
+        elif op.type == "Cast" and op.outputs[0].dtype == half and op.inputs[0].op.type == "Const":
+            value = tf.make_ndarray(op.inputs[0].op.get_attr("value")).astype(np.float64)
+            beyond = np.abs(value) > limit
+        else:
+            continue
+        if beyond.any():
+            sources.append(op)
+            values.append(float(value[beyond].flat[0]))
+    seen, frontier = set(), list(sources)
+    while frontier:
+        op = frontier.pop()
+        if op.type in ("Softmax", "LogSoftmax"):
+            return values, True
+        for consumer in (c for out in op.outputs for c in out.consumers() if c.name not in seen):
+            seen.add(consumer.name)
+            frontier.append(consumer)
+    return values, False
+
+
+def _decide(model, policy, run, half_calls, half_error, masks, bfloat16_available, n_batches):
+    """Turns the float32 run and the half run's `calls` and `error` into a `Diagnosis`."""
     half = policy.compute_dtype
     limits = probe.HALF_RANGES[half]
-    nodes = list(run.stats)
-    origins, downstream = [], []
-    for b, calls in enumerate(flaky.calls):
+    origins, downstream = {}, {}  # the nodes turning non-finite in half only, from finite inputs or not (in order)
+    for b, calls in enumerate(half_calls):
         for node, inputs_ok, outputs_ok in calls:
-            if outputs_ok or id(node) in run.nonfinite[b]:
-                continue
-            (origins if inputs_ok else downstream).append(node)
-    origins, downstream = list(dict.fromkeys(origins)), list(dict.fromkeys(downstream))
-    first = origins[0] if origins else downstream[0] if downstream else None
+            if not outputs_ok and id(node) not in run.nonfinite[b]:
+                (origins if inputs_ok else downstream)[node] = None
+    first = next(iter(origins), next(iter(downstream), None))
+    error = half_error[0] if half_error else None
     reasons = {}  # node -> why it belongs in float32
-    error = flaky.error[0] if flaky.error else None
-    for node in nodes:
-        row = run.stats[node]
-        if node.kept:
-            continue
-        if node is error:
-            reasons[node] = "error"
-        elif node in masks:
-            reasons[node] = "mask"
-        elif row.output.overflow:
-            reasons[node] = "output"
-        elif node in origins:
-            reasons[node] = "inside"
-        elif row.input_max > limits.max:
-            reasons[node] = "input"
+    for node, row in run.stats.items():
+        why = ("error" if node is error else "mask" if node in masks else "output" if row.output.overflow else
+               "inside" if node in origins else "input" if row.input_max > limits.max else None)
+        if why and not node.kept:
+            reasons[node] = why
     # A block (or nested model) whose output overflows, or that overflows inside, because a
     # flagged sub-layer does, needs no island of its own: the sub-layer's is enough.
     for node in [n for n, r in reasons.items() if r in ("inside", "output")]:
@@ -238,50 +229,33 @@ def _decide(model, policy, run, flaky, masks, bfloat16_available, n_batches):
     for node, row in run.stats.items():
         row.half_nonfinite = node in origins or node in downstream
         row.verdict = _verdict(node, row, first, reasons)
-    float32_layers = list(dict.fromkeys(n.target for n in nodes if n in reasons))
     grad_max = max([r.gradient.max_abs for r in run.stats.values()] + [w.max_abs for w in run.weights.values()] + [0.0])
     if half == "bfloat16":
         scale = 1.0
     elif grad_max > 0:
-        k = math.floor(math.log2(limits.max / (MARGIN * grad_max)))
-        scale = float(min(max(2.0**k, SCALE_RANGE[0]), SCALE_RANGE[1]))
+        scale = float(min(max(2.0 ** math.floor(math.log2(limits.max / (report.MARGIN * grad_max))),
+                              SCALE_RANGE[0]), SCALE_RANGE[1]))
     else:
         scale = None
     if bfloat16_available is None:
         bfloat16_available = fast_bfloat16()
-    overflow = any(reasons.get(n) in ("output", "input", "inside") for n in nodes)
-    if half == "float16" and overflow and bfloat16_available:
+    if half == "float16" and bfloat16_available and any(r in ("output", "input", "inside") for r in reasons.values()):
         recommended = Policy("mixed_bfloat16")
-    elif reasons:
-        recommended = Policy("O1", half=half)
     else:
-        recommended = policy
+        recommended = Policy("O1", half=half) if reasons else policy
     return report.Diagnosis(
-        model_name=model.name,
-        policy=policy,
-        layers=[run.stats[n] for n in nodes],
-        weight_gradients=dict(run.weights),
-        histogram=run.histogram,
+        model.name, policy, list(run.stats.values()), dict(run.weights), run.histogram,
         first_nonfinite_layer=None if first is None else first.path,
-        float32_layers=float32_layers,
-        reasons={n.path: (r, masks.get(n)) for n, r in reasons.items()},
-        half_error=None if error is None else (error.path, flaky.error[1]),
-        recommended_scale=scale,
-        recommended_policy=recommended,
-        losses=run.losses,
-        batches=n_batches,
-        bfloat16_available=bfloat16_available,
-    )
+        float32_layers=list(dict.fromkeys(n.target for n in reasons)),
+        reasons={n.path: (r, masks.get(n)) for n, r in reasons.items()}, recommended_scale=scale,
+        recommended_policy=recommended, losses=run.losses, batches=n_batches, bfloat16_available=bfloat16_available,
+        half_error=half_error and (error.path, half_error[1]))
 
 
 def _verdict(node, row, first, reasons):
     if row.output.nonfinite:
         return "non-finite in float32"
-    words = ["FIRST NON-FINITE"] if node is first else []
-    if node in reasons:
-        words.append(probe.VERDICTS[reasons[node]])
-    elif row.half_nonfinite:
-        words.append("non-finite from upstream")
-    if node.kept:
-        words.append("kept")
+    words = ["FIRST NON-FINITE"] * (node is first)
+    words += [probe.VERDICTS[reasons[node]]] if node in reasons else ["non-finite from upstream"] * row.half_nonfinite
+    words += ["kept"] * node.kept
     return ", ".join(words) or "ok"

@@ -1,16 +1,10 @@
 """The float32 islands a diagnosis of one batch advises, for `kmix.autocast(sample=...)`.
 
-Non-finite values from the first failing layer hide any later one, so the
-diagnosis runs again with what it found kept in float32:
-
-```
-targets = {}
-repeat (at most ROUNDS times):
-    d = kmix.diagnose(model, x, y, policy, float32_layers=targets)
-    new = what d names (inside a block a reload cannot reach into: the layers at fault)
-    stop if nothing is new or nothing is non-finite;  targets += new
-```
+Non-finite values from the first failing layer hide any later one, so `advise` diagnoses again with what
+it found kept in float32, at most `ROUNDS` times, until nothing new is found or nothing is non-finite.
 """
+
+import collections
 
 import keras
 import tensorflow as tf
@@ -19,18 +13,12 @@ from kmix.diagnose.core import diagnose
 from kmix._tree import is_auto_named, walk
 
 ROUNDS = 4  # diagnoses at most, each keeping in float32 what the ones before found
-_ACCEPTED = (
-    "a batch `(x, y)` as `model.fit` takes one (arrays or tensors, or lists / dicts of them), "
-    "or a tf.data.Dataset of `(x, y)` or `(x, y, sample_weight)` batches (its first batch is used)"
-)
+_ACCEPTED = ("a batch `(x, y)` as `model.fit` takes one (arrays or tensors, or lists / dicts of them), "
+             "or a tf.data.Dataset of `(x, y)` or `(x, y, sample_weight)` batches (its first batch is used)")
 _NOT_A_CAUSE = ("FIRST NON-FINITE", "non-finite from upstream", "non-finite in float32", "kept", "ok")
 
-
-class Advice:
-    """What a diagnosis advises: `targets` `{layer name or path: finding}`, `initial_scale`, the inputs `x`."""
-
-    def __init__(self, targets, initial_scale, x):
-        self.targets, self.initial_scale, self.x = targets, initial_scale, x
+# What a diagnosis advises: `targets` `{layer name or path: finding}`, `initial_scale`, the inputs `x`.
+Advice = collections.namedtuple("Advice", "targets initial_scale x")
 
 
 def advise(model, policy, sample):
@@ -39,13 +27,11 @@ def advise(model, policy, sample):
     if policy.compute_dtype == "float32":
         return None
     if not getattr(model, "compiled", False) or getattr(model, "loss", None) is None:
-        raise ValueError(
-            "`sample` runs kmix.diagnose, which differentiates the model's loss: compile the "
-            f"float32 model with its loss first. Received: model {model.name!r}, "
-            + ("compiled without a loss." if getattr(model, "compiled", False) else "not compiled.")
-            + " For example `model.compile(optimizer='adam', loss=...)`, then "
-            "`kmix.autocast(model, level, sample=(x, y))`."
-        )
+        raise ValueError("`sample` runs kmix.diagnose, which differentiates the model's loss: compile the float32 "
+                         f"model with its loss first. Received: model {model.name!r}, "
+                         + ("compiled without a loss." if getattr(model, "compiled", False) else "not compiled.")
+                         + " For example `model.compile(optimizer='adam', loss=...)`, then "
+                         "`kmix.autocast(model, level, sample=(x, y))`.")
     if isinstance(x, tf.data.Dataset):
         args = dict(x=x, y=None, batches=1)
         x = keras.utils.unpack_x_y_sample_weight(next(iter(x)))[0]
@@ -59,19 +45,17 @@ def advise(model, policy, sample):
             raise type(e)(f"`sample` could not be diagnosed: {e}") from e
         scale = diagnosis.recommended_scale if scale is None else scale
         found = {t: why for t, why in _targets(model, diagnosis).items() if t not in targets}
-        if not found or diagnosis.first_nonfinite_layer is None:
-            targets.update(found)
-            break
         targets.update(found)
+        if not found or diagnosis.first_nonfinite_layer is None:
+            break
     return Advice(targets, scale, x)
 
 
 def _targets(model, diagnosis):
     """`{layer name or path: the finding}` to keep in float32.
 
-    The diagnosis names the outermost addressable layer (a keras-hub block);
-    where the cause lies on layers inside it that keep their names in a
-    reload (T5's attentions), those are kept by path, else the whole block.
+    The diagnosis names the outermost addressable layer (a keras-hub block); where the cause lies on layers
+    inside it that keep their names in a reload (T5's attentions), those are kept by path, else the block.
     """
     by_path = {path: layer for path, layer, _ in walk(model)}
     causes = {}  # diagnosis row path -> (its target name, the cause it names)
@@ -97,11 +81,8 @@ def _addressable(by_path, block_path, path):
     if block_path is None or not path.startswith(block_path + "/"):
         return False
     parts = path.split("/")
-    start = len(block_path.split("/"))
-    return all(
-        "/".join(parts[: i + 1]) in by_path and not is_auto_named(by_path["/".join(parts[: i + 1])])
-        for i in range(start, len(parts))
-    )
+    ways = ["/".join(parts[: i + 1]) for i in range(len(block_path.split("/")), len(parts))]
+    return all(way in by_path and not is_auto_named(by_path[way]) for way in ways)
 
 
 def check_sample(sample):
@@ -109,36 +90,29 @@ def check_sample(sample):
     if isinstance(sample, tf.data.Dataset):
         return sample, None
     if not isinstance(sample, (tuple, list)) or len(sample) != 2:
-        raise TypeError(
-            f"`sample` must be {_ACCEPTED}. Received: sample={_short(sample)} "
-            f"(of type {type(sample).__name__}"
-            + (f" of length {len(sample)})." if isinstance(sample, (tuple, list)) else ").")
-        )
+        length = f" of length {len(sample)})." if isinstance(sample, (tuple, list)) else ")."
+        shown = repr(sample) if len(repr(sample)) <= 80 else repr(sample)[:77] + "..."
+        raise TypeError(f"`sample` must be {_ACCEPTED}. Received: sample={shown} (of type {type(sample).__name__}"
+                        + length)
     x, y = sample
     if x is None or y is None:
-        raise ValueError(
-            "`sample` must hold the inputs and the targets, `(x, y)`: the diagnosis differentiates "
-            f"the loss to advise the initial loss scale. Received: sample=({'None' if x is None else 'x'}, "
-            f"{'None' if y is None else 'y'})."
-        )
+        raise ValueError("`sample` must hold the inputs and the targets, `(x, y)`: the diagnosis differentiates the "
+                         f"loss to advise the initial loss scale. Received: sample=({'None' if x is None else 'x'}, "
+                         f"{'None' if y is None else 'y'}).")
     return x, y
 
 
 def merge(float32_layers, names):
     """`float32_layers` (None, a class, a name, or a list of them) with `names` added."""
-    if not names:
-        return float32_layers
     given = as_list(float32_layers)
-    return given + [name for name in names if name not in given]
+    return given + [name for name in names if name not in given] if names else float32_layers
 
 
 def as_list(float32_layers):
     """`float32_layers` (None, a class, a name, or a list of them) as a list."""
     if float32_layers is None:
         return []
-    if isinstance(float32_layers, (str, type)):
-        return [float32_layers]
-    return list(float32_layers)
+    return [float32_layers] if isinstance(float32_layers, (str, type)) else list(float32_layers)
 
 
 def _length(x):
@@ -146,9 +120,3 @@ def _length(x):
     if not leaves or not getattr(leaves[0], "shape", None):
         raise TypeError(f"`sample` must be {_ACCEPTED}. Received: an x without a batch dimension.")
     return int(leaves[0].shape[0])
-
-
-def _short(value):
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-

@@ -2,6 +2,7 @@
 
 import collections
 import contextlib
+import dataclasses
 import functools
 
 import keras
@@ -12,25 +13,27 @@ from kmix import _compat
 from kmix._tree import walk
 
 HalfRange = collections.namedtuple("HalfRange", "max min_normal min_subnormal")
-HALF_RANGES = {
-    "float16": HalfRange(65504.0, 2.0**-14, 2.0**-24),
-    "bfloat16": HalfRange(float(tf.bfloat16.max), 2.0**-126, 2.0**-133),
-}
+HALF_RANGES = {"float16": HalfRange(65504.0, 2.0**-14, 2.0**-24),
+               "bfloat16": HalfRange(float(tf.bfloat16.max), 2.0**-126, 2.0**-133)}
+# Why a layer belongs in float32, in the words of the table and the PNG.
+VERDICTS = {"error": "raises in half precision", "mask": "-inf constant (mask)", "inside": "overflows inside",
+            "output": "output overflows", "input": "input overflows"}
 
 
+@dataclasses.dataclass(eq=False)
 class LayerNode:
-    """One layer of the model's tree: `layer`, `path`, `parent` node (None at the top), `target` and `kept`.
+    """One layer of the model's tree; `parent` is None at the top.
 
-    `target` is the name `kmix.autocast(float32_layers=...)` accepts for it:
-    its own where the layer is in a `model.layers` (of the model or a nested
-    model), else its nearest such ancestor's. `kept`: a `kmix.layers.WithPolicy`
-    or inside one, it keeps its own policy in the half-precision run.
+    `target`: the name `kmix.autocast(float32_layers=...)` accepts, the layer's own where it is in a `.layers`
+    of the model or a nested model, else its nearest such ancestor's. `kept`: keeps its own policy in the
+    half run (a `kmix.layers.WithPolicy` or inside one).
     """
 
-    __slots__ = ("layer", "path", "target", "parent", "kept")
-
-    def __init__(self, layer, path, target, parent, kept):
-        self.layer, self.path, self.target, self.parent, self.kept = layer, path, target, parent, kept
+    layer: object
+    path: str
+    target: str
+    parent: "LayerNode"
+    kept: bool
 
     def ancestors(self):
         """The enclosing nodes, innermost first."""
@@ -63,8 +66,7 @@ def layer_nodes(model):
 def patched_calls(nodes, hook, start=None):
     """Within the block, each eager call of a node's layer runs `hook(node, args, kwargs, outputs)`.
 
-    `start(node)`, if given, runs as each such call begins (a block starts
-    before its sub-layers). Calls made while tracing a graph are not reported.
+    `start(node)`, if given, runs as each such call begins (a block before its sub-layers); traced calls are not seen.
     """
 
     def make_call(layer, i):
@@ -87,19 +89,24 @@ def patched_calls(nodes, hook, start=None):
 
 def floating(structure):
     """The floating-point tensors in a nested structure, each once."""
-    found, seen = [], set()
+    found = {}
     for t in keras.tree.flatten(structure):
-        if isinstance(t, (tf.Tensor, tf.Variable)) and t.dtype.is_floating and id(t) not in seen:
-            seen.add(id(t))
-            found.append(t)
-    return found
+        if isinstance(t, (tf.Tensor, tf.Variable)) and t.dtype.is_floating:
+            found.setdefault(id(t), t)
+    return list(found.values())
+
+
+def max_finite(tensor):
+    """The largest finite |value| of `tensor` (0.0 when it has none)."""
+    a = tf.abs(tf.cast(tensor, tf.float32))
+    return float(tf.reduce_max(tf.where(tf.math.is_finite(a), a, 0.0))) if a.shape.num_elements() else 0.0
 
 
 class TensorStats:
-    """Running counts over floating tensors against a half dtype's range.
+    """Running counts over floating tensors against a half dtype's range, and `max_abs`, the largest finite |value|.
 
-    `size` values seen: `nonzero` (finite), `nonfinite`, `overflow` (finite,
-    inf once cast), `underflow` (nonzero, 0 once cast); `max_abs`, the largest finite |value|.
+    Of the `size` values seen: `nonzero` (finite), `nonfinite`, `overflow` (finite, inf once cast), `underflow`
+    (nonzero, 0 once cast).
     """
 
     __slots__ = ("size", "nonzero", "nonfinite", "overflow", "underflow", "max_abs")
@@ -114,19 +121,12 @@ class TensorStats:
         finite = tf.math.is_finite(a)
         h = tf.cast(a, half)
         nonzero = finite & (a > 0)
-        counts = tf.stack([
-            tf.size(a, out_type=tf.int64),
-            tf.math.count_nonzero(nonzero),
-            tf.math.count_nonzero(~finite),
-            tf.math.count_nonzero(finite & tf.math.is_inf(h)),
-            tf.math.count_nonzero(nonzero & tf.equal(h, 0)),
-        ]).numpy()
-        self.size += int(counts[0])
-        self.nonzero += int(counts[1])
-        self.nonfinite += int(counts[2])
-        self.overflow += int(counts[3])
-        self.underflow += int(counts[4])
-        self.max_abs = max(self.max_abs, float(tf.reduce_max(tf.where(finite, a, 0.0))) if self.size else 0.0)
+        counts = tf.stack([tf.size(a, out_type=tf.int64), tf.math.count_nonzero(nonzero),
+                           tf.math.count_nonzero(~finite), tf.math.count_nonzero(finite & tf.math.is_inf(h)),
+                           tf.math.count_nonzero(nonzero & tf.equal(h, 0))]).numpy()
+        for name, count in zip(self.__slots__, counts):
+            setattr(self, name, getattr(self, name) + int(count))
+        self.max_abs = max(self.max_abs, max_finite(a))
         return tf.boolean_mask(a, nonzero).numpy() if values else None
 
     def fraction(self, count):
@@ -161,28 +161,19 @@ class Log2Histogram:
 
     def fraction_below(self, log2_threshold):
         """The fraction of values whose bin lies wholly below 2^`log2_threshold`."""
-        if not self.total:
-            return 0.0
         k = int(np.floor((log2_threshold - self.LOW) * self.BINS_PER_OCTAVE + 1e-9))
-        return float(self.counts[: max(0, k)].sum()) / self.total
+        return float(self.counts[: max(0, k)].sum()) / self.total if self.total else 0.0
 
     def fraction_above(self, log2_threshold):
         """The fraction of values whose bin lies wholly at or above 2^`log2_threshold`."""
-        if not self.total:
-            return 0.0
         k = int(np.ceil((log2_threshold - self.LOW) * self.BINS_PER_OCTAVE - 1e-9))
-        return float(self.counts[max(0, k):].sum()) / self.total
+        return float(self.counts[max(0, k):].sum()) / self.total if self.total else 0.0
 
 
-def percent(fraction):
-    """A fraction as a short percentage for tables: `0`, `<0.01%`, `0.5%`, `12%`."""
+def percent(fraction, zero="0"):
+    """A fraction as a short percentage for tables: `zero` (`"0"`), `<0.01%`, `0.5%`, `12%`."""
     if fraction == 0:
-        return "0"
+        return zero
     if fraction < 1e-4:
         return "<0.01%"
     return f"{100 * fraction:.2g}%" if fraction < 0.1 else f"{100 * fraction:.0f}%"
-
-
-# The words of a verdict, in the table and on the PNG.
-VERDICTS = {"error": "raises in half precision", "mask": "-inf constant (mask)", "inside": "overflows inside",
-            "output": "output overflows", "input": "input overflows"}  # why a layer belongs in float32

@@ -1,5 +1,4 @@
-"""Choosing a route (a policy and a `jit_compile`), measured, with the reasons.
+"""Choosing a route (a policy and a `jit_compile`), measured, with the reasons; `device` is `kmix.device`.
 
-Imports run one way: facts <- probe <- trials <- decision <- recommendation <- doctor,
-with timing and rule below them all; `device` is `kmix.device`.
+Imports run one way: timing <- facts <- probe <- rule <- data <- trials <- decision <- recommendation <- doctor.
 """

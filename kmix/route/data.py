@@ -1,21 +1,16 @@
-"""What `kmix.recommend` receives, checked at the call, naming the argument: the batch, the loss, the optimizer.
-
-    >>> x, y, described = first_batch(x_train, y_train, None, 32)   # "a batch of 32 rows"
-    >>> check_fits(model, x, "x")          # ValueError naming `x` when the model cannot take it
-"""
+"""What `kmix.recommend` receives, checked at the call, naming the argument: the batch, the loss, the optimizer."""
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from kmix.diagnose.data import first_line, float_values
+
 BATCH_SIZE = 32  # rows timed when `batch_size` is not given, as `fit`'s default
 
 
 def first_batch(x, y, sample, batch_size):
-    """One batch `(x, y, description)` of tensors from `recommend`'s `x`, `y` (or a dataset) or `sample`.
-
-    A ValueError names the argument where the batch has no rows or `y`'s rows do not match `x`'s.
-    """
+    """One batch `(x, y, description)` of tensors from `recommend`'s `x`, `y` (or a dataset) or `sample`."""
     if sample is not None:
         if x is not None or y is not None:
             raise ValueError("Pass the data as `x=`, `y=` or as `sample=`, not both. "
@@ -30,16 +25,14 @@ def first_batch(x, y, sample, batch_size):
     if isinstance(x, tf.data.Dataset):
         return _dataset_batch(x, "x")
     if x is None or y is None:
-        raise ValueError("`kmix.recommend(model, ...)` times your training step on your data: pass "
-                         f"`x=` and `y=`, `sample=(x, y)` or a dataset. Received: x={type(x).__name__}, "
-                         f"y={type(y).__name__}.")
+        raise ValueError("`kmix.recommend(model, ...)` times your training step on your data: pass `x=` and `y=`, "
+                         f"`sample=(x, y)` or a dataset. Received: x={type(x).__name__}, y={type(y).__name__}.")
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
                                    or batch_size < 1):
         raise ValueError(f"`batch_size` must be a positive int. Received: batch_size={batch_size!r}")
     _check_rows(x, y, "x", "y")  # on the arrays as given: only the rows timed are converted
     rows = BATCH_SIZE if batch_size is None else int(batch_size)
-    take = lambda t: t[:rows]  # noqa: E731
-    x, y = _tensors(keras.tree.map_structure(take, x)), _tensors(keras.tree.map_structure(take, y))
+    x, y = [_tensors(keras.tree.map_structure(lambda t: t[:rows], data)) for data in (x, y)]
     return x, y, f"a batch of {_rows(x, 'x')} rows"
 
 
@@ -74,8 +67,7 @@ def _rows(data, name):
 
 
 def _shape(array):
-    shape = getattr(array, "shape", None)
-    return tuple(np.shape(array) if shape is None else shape)
+    return tuple(np.shape(array) if getattr(array, "shape", None) is None else array.shape)
 
 
 def _tensors(data):
@@ -124,8 +116,7 @@ def fresh_optimizer(optimizer, learning_rate=None):
 def still_at_zero(optimizer):
     """Whether `optimizer`'s kind, at learning rate 0, leaves a scratch variable bit for bit as it was (two steps).
 
-    FTRL divides by the learning rate, and a user's optimizer may do anything;
-    where it does, `recommend` keeps a copy of the trainable weights.
+    FTRL divides by the learning rate, and a user's optimizer may do anything: `recommend` then keeps a copy.
     """
     try:
         probe = fresh_optimizer(optimizer, learning_rate=0.0)
@@ -146,35 +137,22 @@ def check_fits(model, x, name):
         model(one, training=False)
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, NotImplementedError,
             tf.errors.OpError) as e:  # a shape or dtype error, as Keras or TensorFlow raises it
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(
-            f"`{name}` does not fit model {model.name!r}, which takes {_expected(model)}. Received: {name} "
-            f"with {_shapes(x)}. ({type(e).__name__}: {first[:300]})"
-        ) from None
+        raise ValueError(f"`{name}` does not fit model {model.name!r}, which takes {_expected(model)}. Received: "
+                         f"{name} with {_shapes(x)}. ({type(e).__name__}: {first_line(e, 300)})") from None
 
 
 def nonfinite_notes(batch, name=None):
     """One line per argument of `batch` `(x, y, description)` holding NaN or inf; `name`: where both came from."""
     notes = []
     for part, label in zip(batch[:2], ("x", "y")):
-        counts = [_nonfinite(t) for t in keras.tree.flatten(part)]
-        if sum(counts):
+        values = [v for v in map(float_values, keras.tree.flatten(part)) if v is not None]
+        count = sum(int(v.size - np.count_nonzero(np.isfinite(v))) for v in values)
+        if count:
             where = f"{name}'s {label}" if name else label
-            notes.append(
-                f"`{where}` holds {sum(counts)} NaN or inf value(s) in the batch timed: the timings stand "
-                "(kmix.wrap skips a non-finite step at a step's cost), but a model trained on such data "
-                "learns nothing from those steps: clean or mask the data first."
-            )
+            notes.append(f"`{where}` holds {count} NaN or inf value(s) in the batch timed: the timings stand "
+                         "(kmix.wrap skips a non-finite step at a step's cost), but a model trained on such data "
+                         "learns nothing from those steps: clean or mask the data first.")
     return notes
-
-
-def _nonfinite(tensor):
-    value = np.asarray(tensor)
-    if value.dtype.name in ("bfloat16", "float16"):
-        value = value.astype("float32")
-    if not np.issubdtype(value.dtype, np.floating):
-        return 0
-    return int(value.size - np.count_nonzero(np.isfinite(value)))
 
 
 def _shapes(x):
@@ -185,9 +163,7 @@ def _shapes(x):
 def _expected(model):
     """The model's input shapes as its graph knows them, else what its layers say."""
     try:
-        shapes = [tuple(t.shape) for t in keras.tree.flatten(model.inputs)]
+        inputs = keras.tree.flatten(model.inputs)
     except (AttributeError, ValueError):
-        shapes = []
-    if not shapes:
-        return "inputs it was built for"
-    return f"input shape {shapes[0]}" if len(shapes) == 1 else f"input shapes {shapes}"
+        inputs = []
+    return f"input {_shapes(inputs)}" if inputs else "inputs it was built for"

@@ -1,15 +1,11 @@
-"""The decision as `kmix.recommend` gives it: a `Recommendation` whose reasons quote the figures (pure).
-
-`decide` reads the device's probe, `decide_routes` the trials of the user's
-step (handing over to the probe where no half route was timed); both pick
-by `kmix.route.rule.choose`.
-"""
+"""The decision as `kmix.recommend` gives it: a `Recommendation` whose reasons quote the figures (pure)."""
 
 import dataclasses
 
 from kmix.route import facts, rule, timing, trials
 from kmix.route.probe import DTYPES, SCREEN
 from kmix.route.rule import FLOAT16_MARGIN, MIN_SPEEDUP, choose
+from kmix.route.trials import compiled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,8 +13,8 @@ class Recommendation:
     """The route `kmix.recommend` picks, with the measured reasons; `print(rec)` shows them and the table.
 
     Attributes:
-        policy: `"O1-bfloat16"`, `"O1-float16"` or `"float32"`, as `kmix.autocast`,
-            `kmix.policy_scope` and `kmix.set_policy` accept it.
+        policy: `"O1-bfloat16"`, `"O1-float16"` or `"float32"`, as `kmix.autocast`, `kmix.policy_scope` and
+            `kmix.set_policy` accept it.
         jit_compile: the `jit_compile` to pass to `model.compile`.
         reasons: lines that quote the measured figures and the device facts.
         loss_scaling: whether the policy needs a dynamic loss scale (float16).
@@ -56,49 +52,36 @@ def decide(probe, gpus, cpu, onednn=None):
     """The `Recommendation` from a `kmix.device.Probe` and the device facts (`gpus()`, `cpu_features()`, oneDNN)."""
     choice = choose(probe.times(), bool(gpus), MIN_SPEEDUP, FLOAT16_MARGIN, tie="float32")
     (dtype, jit), (_, ref_jit) = choice.route, choice.reference
-    reasons = [facts.describe(gpus, cpu, onednn)]
-    reasons.append(
-        f"Measured on {probe.device} ({_shape(probe)}), GFLOP/s as tf.function / XLA: "
-        + "; ".join(f"{d} {_g(probe.rate(d, False))} / {_g(probe.rate(d, True))}" for d in DTYPES)
-        + "."
-    )
-    f32 = probe.rate("float32", ref_jit)
+    rates = "; ".join(f"{d} {_g(probe.rate(d, False))} / {_g(probe.rate(d, True))}" for d in DTYPES)
+    reasons = [facts.describe(gpus, cpu, onednn), f"Measured on {probe.device} (training step of an MLP "
+               f"{probe.step}), GFLOP/s as tf.function / XLA: {rates}."]
     if dtype == "float32":
-        halves = [f"{h} {g.ratio:.2f}x (noise {g.noise:.0%})" for h, g in choice.gains.items()]
-        reasons.append(
-            f"No half dtype is {MIN_SPEEDUP}x faster than float32's best ({_g(f32)} GFLOP/s) beyond the "
-            f"noise ({', '.join(halves) or f'each half dtype ran over {SCREEN}x slower on a first call'}): float32, "
-            "which has no rounding or overflow to manage."
-        )
-    elif dtype == "bfloat16":
-        gain, noise = choice.gains["bfloat16"].ratio, choice.gains["bfloat16"].noise
-        reasons.append(
-            f"bfloat16 runs {gain:.2f}x float32's best (noise {noise:.0%}){_vs_float16(probe)}: O1 with "
-            "bfloat16 (float32's range: no loss scaling; kmix.wrap keeps a fixed scale of 1 and still "
-            "skips non-finite steps)."
-        )
+        halves = ", ".join(f"{h} {g.ratio:.2f}x (noise {g.noise:.0%})" for h, g in choice.gains.items())
+        halves = halves or f"each half dtype ran over {SCREEN}x slower on a first call"
+        f32 = _g(probe.rate("float32", ref_jit))
+        reasons.append(f"No half dtype is {MIN_SPEEDUP}x faster than float32's best ({f32} GFLOP/s) beyond the "
+                       f"noise ({halves}): float32, which has no rounding or overflow to manage.")
     else:
-        gain, noise = choice.gains["float16"].ratio, choice.gains["float16"].noise
-        versus = probe.best("float16")[0] / max(probe.best("bfloat16")[0], 1e-9)
-        reasons.append(
-            f"float16 runs {gain:.2f}x float32's best (noise {noise:.0%}) and {versus:.2f}x bfloat16's: O1 "
-            "with float16, which needs loss scaling: compile with kmix.wrap(optimizer) and keep softmax and "
-            "masks in float32 (kmix.autocast does)."
-        )
+        g, other = choice.gains[dtype], "float16" if dtype == "bfloat16" else "bfloat16"
+        how = ("O1 with bfloat16 (float32's range: no loss scaling; kmix.wrap keeps a fixed scale of 1 and still "
+               "skips non-finite steps)" if dtype == "bfloat16" else
+               "O1 with float16, which needs loss scaling: compile with kmix.wrap(optimizer) and keep softmax and "
+               "masks in float32 (kmix.autocast does)")
+        versus = probe.best(dtype)[0] / max(probe.best(other)[0], 1e-9)
+        reasons.append(f"{dtype} runs {g.ratio:.2f}x float32's best (noise {g.noise:.0%}) and {versus:.2f}x "
+                       f"{other}'s: {how}.")
     rate = lambda c: f"{_g(probe.rate(*c))} GFLOP/s"  # noqa: E731
+    xla_note = (" XLA:CPU does not use oneDNN's bfloat16 kernels (TensorFlow 2.21; --xla_cpu_use_onednn changes "
+                "nothing), so bfloat16 wants the tf.function route.")
     reasons.append(_compilation_line(choice.route, probe.times(), rate, bool(gpus))
-                   + _xla_note(dtype, jit, gpus, onednn))
+                   + (xla_note if not gpus and not jit and dtype == "bfloat16" and onednn else ""))
     return _recommendation(dtype, jit, reasons, probe)
 
 
 def decide_routes(table, probe, gpus, cpu, onednn=None, tie="median"):
-    """The `Recommendation` from a `RouteTable` of the user's model (the probe's where no half route was timed).
+    """The `Recommendation` from a `RouteTable` of the user's model (`probe`'s where no half route was timed).
 
-    Args:
-        table: a `RouteTable` from `kmix.route.trials.time_routes`.
-        probe: the `kmix.device.Probe` that chose the candidates, or None.
-        gpus, cpu, onednn: the device facts, as for `decide`.
-        tie: `kmix.route.rule.choose`'s tie rule: `"median"` or `"float32"`.
+    `probe`: the `kmix.device.Probe` that chose the candidates, or None; `tie`: `rule.choose`'s tie rule.
     """
     times = table.times()
     index = {(r.dtype, r.jit_compile): i for i, r in enumerate(table.routes)}
@@ -115,7 +98,7 @@ def decide_routes(table, probe, gpus, cpu, onednn=None, tie="median"):
                "(below the table)" if table.skipped else "only float32 was asked for (dtypes=)")
         reasons.append(f"No half route was timed: {why}. float32 ({_reference(ref, times)}).")
     elif dtype == "float32":
-        halves = [f"{policy_name(h)}, {_compiled(g.route[1])} {g.ratio:.2f}x ({_interval(g)})"
+        halves = [f"{policy_name(h)}, {compiled(g.route[1])} {g.ratio:.2f}x ({_interval(g)})"
                   for h, g in choice.gains.items()]
         reasons.append(f"No half route beats float32's reference route ({_reference(ref, times)}) beyond "
                        f"the measured noise and by more than {floor} ({'; '.join(halves)}): float32.")
@@ -123,11 +106,9 @@ def decide_routes(table, probe, gpus, cpu, onednn=None, tie="median"):
         g = choice.gains[dtype]
         scaling = ("no loss scaling" if dtype == "bfloat16" else
                    "with a dynamic loss scale: compile with kmix.wrap(optimizer)")
-        if g.beyond_noise:
-            why = f"beyond the measured noise ({g.noise:.0%})"
-        else:
-            why = (f"faster in the median by more than {floor}, though the rounds could not separate "
-                   f"them beyond the noise ({_interval(g)}): the tie rule picks the faster median")
+        why = (f"beyond the measured noise ({g.noise:.0%})" if g.beyond_noise else
+               f"faster in the median by more than {floor}, though the rounds could not separate them beyond the "
+               f"noise ({_interval(g)}): the tie rule picks the faster median")
         reasons.append(f"{policy_name(dtype)} runs {g.ratio:.2f}x float32's reference route "
                        f"({_reference(ref, times)}), {why}: {scaling}.")
     undecided = [h for h, g in choice.gains.items() if not g.settled]
@@ -139,8 +120,8 @@ def decide_routes(table, probe, gpus, cpu, onednn=None, tie="median"):
     reasons.append(_compilation_line(choice.route, times, lambda c: f"{ms(c)} a step", bool(gpus)))
     if table.over_budget:
         first = max(table.routes, key=lambda r: r.setup_s)
-        reasons.append(f"{_budget(table)} could not cover building and compiling "
-                       f"{'; '.join(label for label, _ in table.over_budget)} (building and compiling "
+        over = "; ".join(label for label, _ in table.over_budget)
+        reasons.append(f"{_budget(table)} could not cover building and compiling {over} (building and compiling "
                        f"{first.label} took {first.setup_s:.1f} s): recommended from the {len(table.routes)} "
                        f"route(s) measured. {_budget_advice(table)}")
     return _recommendation(dtype, jit, reasons, probe, table)
@@ -155,9 +136,8 @@ def _from_probe(table, probe, gpus, cpu, onednn, index):
              f"route: {untimed} not built.")
     if probe is None:
         table = dataclasses.replace(table, chosen=index[reference], reference=index[reference])
-        reasons = [facts.describe(gpus, cpu, onednn),
-                   f"{spent} No device probe to decide from (dtypes= given, probe=None): float32 as timed, "
-                   f"untested against the half routes. {_budget_advice(table)}"]
+        reasons = [facts.describe(gpus, cpu, onednn), f"{spent} No device probe to decide from (dtypes= given, "
+                   f"probe=None): float32 as timed, untested against the half routes. {_budget_advice(table)}"]
         return _recommendation("float32", reference[1], reasons, None, table)
     rec = decide(probe, gpus, cpu, onednn)
     dtype = rule.dtype_of(rec.policy)
@@ -175,19 +155,17 @@ def no_half_timed(table):
 
 def _rounds(table):
     """`"5 interleaved rounds each"`, `"3 to 7 ..."`, `"1 round"`: what each route of `table` got."""
-    counts = sorted({len(r.seconds) for r in table.routes})
+    counts, each = sorted({len(r.seconds) for r in table.routes}), " each" if len(table.routes) > 1 else ""
     if counts == [1]:
-        return "1 round" + (" each" if len(table.routes) > 1 else "")
-    shown = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
-    return f"{shown} interleaved rounds" + (" each" if len(table.routes) > 1 else "")
+        return "1 round" + each
+    return (f"{counts[0]}" if len(counts) == 1 else f"{counts[0]} to {counts[-1]}") + " interleaved rounds" + each
 
 
 def _rounds_line(table):
     """The reason that says what was timed, and whether the rounds fell short of `MIN_ROUNDS`."""
     n = len(table.routes)
     line = f"Timed your model's training step on {table.batch}: {n} route{'s' if n != 1 else ''}, {_rounds(table)}"
-    fewest = min(len(r.seconds) for r in table.routes)
-    if fewest >= timing.MIN_ROUNDS or len(table.routes) < 2:
+    if min(len(r.seconds) for r in table.routes) >= timing.MIN_ROUNDS or n < 2:
         return line + " (the table below)."
     return (line + f" (the table below): fewer than the {timing.MIN_ROUNDS} a comparison aims for, as budget_s ran "
             f"out (the rounds stop at {1 + trials.OVERRUN:g}x budget_s), so the ratios are rough.")
@@ -216,7 +194,7 @@ def _reference(route, times):
     if ratio > 1 + timing.NOISE_FLOOR:
         return f"{route.label}, {step}, {ratio:.2f}x the other compilation round by round"
     return (f"{route.label}, {step}: Keras's default compilation, within {timing.NOISE_FLOOR:.0%} of "
-            f"{_compiled(not route.jit_compile)} round by round ({ratio:.2f}x)")
+            f"{compiled(not route.jit_compile)} round by round ({ratio:.2f}x)")
 
 
 def _interval(gain):
@@ -225,44 +203,21 @@ def _interval(gain):
 
 
 def _recommendation(dtype, jit, reasons, probe, table=None):
-    policy = policy_name(dtype)
-    return Recommendation(policy, bool(jit), tuple(reasons), dtype == "float16", probe, table)
-
-
-def _compiled(jit):
-    return "XLA" if jit else "tf.function"
+    return Recommendation(policy_name(dtype), bool(jit), tuple(reasons), dtype == "float16", probe, table)
 
 
 def _compilation_line(route, times, shown, gpu):
     """Why `route`'s compilation: its figure against the other one's, round by round."""
     (dtype, jit), other = route, (route[0], not route[1])
     if other not in times:
-        return f"{dtype} timed as {_compiled(jit)} only ({shown(route)}): jit_compile={jit}."
+        return f"{dtype} timed as {compiled(jit)} only ({shown(route)}): jit_compile={jit}."
     ratio = timing.paired(times[other], times[route])[0]
     why = (f"{ratio:.2f}x round by round" if ratio > 1 + timing.NOISE_FLOOR else
-           f"{ratio:.2f}x round by round, within {timing.NOISE_FLOOR:.0%}: Keras's default, {_compiled(gpu)}")
-    return (f"{dtype} as {_compiled(jit)}: {shown(route)} against {shown(other)} as {_compiled(not jit)} "
+           f"{ratio:.2f}x round by round, within {timing.NOISE_FLOOR:.0%}: Keras's default, {compiled(gpu)}")
+    return (f"{dtype} as {compiled(jit)}: {shown(route)} against {shown(other)} as {compiled(not jit)} "
             f"({why}): jit_compile={jit}.")
 
 
 def _g(rate):
     """A rate in GFLOP/s as printed: whole numbers, or 2 significant digits below 10."""
     return f"{rate:.0f}" if rate >= 10 else f"{rate:.2g}"
-
-
-def _shape(probe):
-    m, k, n = probe.shape
-    rows = probe.rows or m
-    return f"training step of an MLP x + gelu(x @ w1 + b1) @ w2, x {rows}x{k}, w1 {k}x{n}"
-
-
-def _vs_float16(probe):
-    bf16, f16 = probe.best("bfloat16")[0], probe.best("float16")[0]
-    return f" and {bf16 / max(f16, 1e-9):.2f}x float16's"
-
-
-def _xla_note(dtype, jit, gpus, onednn):
-    if gpus or jit or dtype != "bfloat16" or not onednn:
-        return ""
-    return (" XLA:CPU does not use oneDNN's bfloat16 kernels (TensorFlow 2.21; "
-            "--xla_cpu_use_onednn changes nothing), so bfloat16 wants the tf.function route.")

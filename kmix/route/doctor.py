@@ -1,9 +1,4 @@
-"""`python -m kmix doctor`: versions, devices, half-precision hardware and the measured route.
-
-The facts are `kmix.device.gather_facts()`, the advice `kmix.recommend()`; on
-a CPU with oneDNN off it also measures whether `TF_ENABLE_ONEDNN_OPTS=1`
-would be faster (`kmix.route.onednn`).
-"""
+"""`python -m kmix doctor`: versions, devices, half-precision hardware and the measured route."""
 
 import argparse
 import os
@@ -12,15 +7,15 @@ import sys
 import kmix
 from kmix._output import progress
 from kmix.policy import Policy
-from kmix.route.facts import gather_facts, tensor_cores, yes_no
+from kmix.route.facts import capability, gather_facts, tensor_cores, yes_no
 from kmix.route.onednn import compare as compare_onednn
 from kmix.route.recommendation import recommend
+from kmix.route.trials import label
 
 
 def tf32_line(facts):
     """The report's line about TF32 from `gather_facts()`: only meaningful with a GPU of compute capability 8.0+.
 
-    Example:
         >>> tf32_line({"gpus": [], "tf32": True})
         'not applicable (no GPU; TF32 is a tensor-core mode of compute capability 8.0+)'
     """
@@ -46,9 +41,8 @@ def why_no_gpu(facts):
         return (f"TensorFlow is a CUDA build but sees no GPU: CUDA_VISIBLE_DEVICES is set to "
                 f"{visible!r}, which hides every GPU. Unset it, or list the GPUs (e.g. 0).")
     if facts.get("nvidia_driver") is None:
-        return ("TensorFlow is a CUDA build but sees no GPU: no NVIDIA driver is loaded "
-                "(/proc/driver/nvidia/version is missing): a machine without a GPU, or a "
-                "container started without GPU access (docker --gpus all).")
+        return ("TensorFlow is a CUDA build but sees no GPU: no NVIDIA driver is loaded (/proc/driver/nvidia/version "
+                "is missing): a machine without a GPU, or a container started without GPU access (docker --gpus all).")
     shown = "" if visible is None else f" CUDA_VISIBLE_DEVICES={visible!r} may hide them."
     return ("TensorFlow is a CUDA build and an NVIDIA driver is loaded, but TensorFlow sees no "
             "GPU: the driver may be older than the CUDA libraries TensorFlow needs, or they may "
@@ -58,8 +52,7 @@ def why_no_gpu(facts):
 def onednn_lines(comparison):
     """The report's lines about `TF_ENABLE_ONEDNN_OPTS=1` from a `kmix.route.onednn.Comparison`: figures, verdict."""
     c = comparison
-    shown = lambda setting, config: (f"{config[0]}, {'XLA' if config[1] else 'tf.function'} "  # noqa: E731
-                                     f"{c.gflops(setting, config):.0f} GFLOP/s")
+    shown = lambda setting, config: f"{label(config)} {c.gflops(setting, config):.0f} GFLOP/s"  # noqa: E731
     rounds = len(next(iter(c.on.values())))
     lines = [f"TF_ENABLE_ONEDNN_OPTS=1 against =0, measured in two subprocesses in {rounds} interleaved "
              f"rounds ({c.seconds:.0f} s), the probe's MLP step {c.shape[0]}x{c.shape[1]}x{c.shape[2]}: "
@@ -79,10 +72,8 @@ def onednn_lines(comparison):
 
 def format_report(facts, recommendation, onednn=None):
     """The doctor's report as text; `onednn` is a `kmix.route.onednn.Comparison` or None."""
-    lines = ["Versions"]
-    lines += [f"  {name:<11} {version}" for name, version in facts["versions"].items()]
-    lines.append("Devices")
-    lines.append(f"  {'CPU':<11} {facts['cpu']}")
+    lines = ["Versions"] + [f"  {name:<11} {version}" for name, version in facts["versions"].items()]
+    lines += ["Devices", f"  {'CPU':<11} {facts['cpu']}"]
     cpu = facts.get("cpu_features")
     if cpu:
         known = cpu.get("source") is not None
@@ -90,68 +81,50 @@ def format_report(facts, recommendation, onednn=None):
         for flag in ("avx512_bf16", "amx_bf16", "avx512_fp16"):
             lines.append(f"  {'':<11} {flag.upper():<12} {yes_no(cpu[flag]) if known else 'unknown'}")
     if "onednn" in facts:
-        lines.append(f"  {'oneDNN':<11} {'on' if facts['onednn'] else 'off'}" + _onednn_setting())
+        setting = os.environ.get("TF_ENABLE_ONEDNN_OPTS")
+        setting = ("TF_ENABLE_ONEDNN_OPTS unset: TensorFlow's default for this CPU" if setting is None else
+                   f"TF_ENABLE_ONEDNN_OPTS={setting!r}")
+        lines.append(f"  {'oneDNN':<11} {'on' if facts['onednn'] else 'off'} ({setting})")
     if onednn is not None:
         lines += [f"  {'':<11} {line}" for line in onednn_lines(onednn)]
-    cuda = "yes" if facts["built_with_cuda"] else "no"
-    if facts["built_with_cuda"]:
-        cuda += f" (CUDA {facts['cuda'] or '?'}, cuDNN {facts['cudnn'] or '?'})"
+    cuda = f"yes (CUDA {facts['cuda'] or '?'}, cuDNN {facts['cudnn'] or '?'})" if facts["built_with_cuda"] else "no"
     lines.append(f"  {'CUDA build':<11} {cuda}")
     if not facts["gpus"]:
         lines.append(f"  {'GPU':<11} none found")
     for i, gpu in enumerate(facts["gpus"]):
-        cc = gpu["compute_capability"]
-        cores = tensor_cores(cc)
-        lines.append(f"  GPU {i:<7} {gpu['name']}")
-        lines.append(f"    compute capability      {'unknown' if cc is None else f'{cc[0]}.{cc[1]}'}")
-        lines.append(f"    float16 tensor cores    {yes_no(cores['float16'])}")
-        lines.append(f"    bfloat16 tensor cores   {yes_no(cores['bfloat16'])}")
+        cores = tensor_cores(gpu["compute_capability"])
+        lines += [f"  GPU {i:<7} {gpu['name']}", f"    compute capability      {capability(gpu['compute_capability'])}",
+                  f"    float16 tensor cores    {yes_no(cores['float16'])}",
+                  f"    bfloat16 tensor cores   {yes_no(cores['bfloat16'])}"]
     if not facts["gpus"]:
         lines.append(f"  {'':<11} float16 tensor cores: no; bfloat16 tensor cores: no (no GPU)")
-        reason = why_no_gpu(facts)
-        if reason:
+        if reason := why_no_gpu(facts):
             lines.append(f"  {'':<11} {reason}")
-    lines.append("Compilation")
-    lines.append(f"  {'XLA':<11} {facts['xla']}")
-    lines.append(f"  {'TF32':<11} {tf32_line(facts)}")
-    lines.append(str(recommendation))
+    lines += ["Compilation", f"  {'XLA':<11} {facts['xla']}", f"  {'TF32':<11} {tf32_line(facts)}", str(recommendation)]
     if recommendation.probe is not None:
         lines += ["  " + line for line in str(recommendation.probe).splitlines()]
     wrap = "kmix.wrap(optimizer)" + ("  # dynamic loss scale" if recommendation.loss_scaling else "")
-    lines.append(f"  model = kmix.autocast(model, {recommendation.policy!r})")
-    lines.append(f"  with kmix.policy_scope({recommendation.policy!r}):")
-    lines.append(f"      model.compile(optimizer={wrap}, loss=..., jit_compile={recommendation.jit_compile})")
-    lines += serving_lines(recommendation)
-    return "\n".join(lines)
+    lines += [f"  model = kmix.autocast(model, {recommendation.policy!r})",
+              f"  with kmix.policy_scope({recommendation.policy!r}):",
+              f"      model.compile(optimizer={wrap}, loss=..., jit_compile={recommendation.jit_compile})"]
+    return "\n".join(lines + serving_lines(recommendation))
 
 
 def serving_lines(recommendation):
     """The inference route that goes with the training route: `kmix.export` in its half dtype, or float32."""
     half = Policy(recommendation.policy).compute_dtype
-    lines = ["Serving (the recommended route's computation; `python -m kmix bench predict` times it here)"]
-    if half == "float32":
-        lines.append("  model.export(path)  # float32: no half dtype measured faster here; "
-                     "kmix.export(model, path, dtype='bfloat16') halves the bytes")
-    else:
-        lines.append(f"  kmix.export(model, path, dtype={half!r})  # weights in {half}, float32 in and out")
-    return lines
-
-
-def _onednn_setting():
-    value = os.environ.get("TF_ENABLE_ONEDNN_OPTS")
-    if value is None:
-        return " (TF_ENABLE_ONEDNN_OPTS unset: TensorFlow's default for this CPU)"
-    return f" (TF_ENABLE_ONEDNN_OPTS={value!r})"
+    return ["Serving (the recommended route's computation; `python -m kmix bench predict` times it here)",
+            "  model.export(path)  # float32: no half dtype measured faster here; kmix.export(model, path, "
+            "dtype='bfloat16') halves the bytes" if half == "float32" else
+            f"  kmix.export(model, path, dtype={half!r})  # weights in {half}, float32 in and out"]
 
 
 def main(argv=None):
     """Prints the report; returns `{"facts": ..., "recommendation": ...}`."""
-    parser = argparse.ArgumentParser(
-        prog="python -m kmix doctor",
-        description="Print versions, devices, compute capability, float16/bfloat16 tensor-core "
-        "support, CPU features, XLA availability, and the policy and jit_compile kmix.recommend() "
-        "measures to be the fastest safe route on this device.",
-    )
+    parser = argparse.ArgumentParser(prog="python -m kmix doctor", description=(
+        "Print versions, devices, compute capability, float16/bfloat16 tensor-core support, CPU features, XLA "
+        "availability, and the policy and jit_compile kmix.recommend() measures to be the fastest safe route on "
+        "this device."))
     parser.add_argument("--onednn-check", action=argparse.BooleanOptionalAction, default=None,
                         help="measure whether TF_ENABLE_ONEDNN_OPTS=1 would be faster, in two subprocesses "
                         "(about 20 s). Default: on a CPU-only machine where oneDNN is off")
@@ -159,9 +132,7 @@ def main(argv=None):
     facts = gather_facts()
     facts["versions"]["kmix"] = kmix.__version__
     recommendation = recommend()
-    check = args.onednn_check
-    if check is None:
-        check = not facts["gpus"] and not facts["onednn"]
+    check = args.onednn_check if args.onednn_check is not None else not facts["gpus"] and not facts["onednn"]
     comparison = None
     if check:
         progress("doctor: timing the probe with TF_ENABLE_ONEDNN_OPTS=1 and =0, in two subprocesses")

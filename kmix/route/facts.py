@@ -1,9 +1,4 @@
-"""Device facts that explain a route, read without timing anything: GPUs, CPU features, oneDNN, versions.
-
-    >>> from kmix.route import facts
-    >>> facts.cpu_features()["avx512_bf16"]
-    True
-"""
+"""Device facts that explain a route, read without timing anything: GPUs, CPU features, oneDNN, versions."""
 
 import os
 import platform
@@ -27,7 +22,6 @@ CPU_FLAGS = {  # /proc/cpuinfo flag -> what it gives half precision
 def tensor_cores(compute_capability):
     """`{"float16": bool, "bfloat16": bool}`: which half dtypes have tensor cores at `(major, minor)` (None: no GPU).
 
-    Example:
         >>> tensor_cores((7, 5))
         {'float16': True, 'bfloat16': False}
     """
@@ -38,17 +32,13 @@ def tensor_cores(compute_capability):
 
 
 def cpu_features(cpuinfo_path="/proc/cpuinfo"):
-    """The CPU's `model`, the `source` read (None: unreadable) and each flag of `CPU_FLAGS` (None: unknown).
-
-    Args:
-        cpuinfo_path: where to read them (Linux's `/proc/cpuinfo`).
-    """
+    """The CPU's `model`, the `source` read (`cpuinfo_path`; None: unreadable), each of `CPU_FLAGS` (None: unknown)."""
     try:
         with open(cpuinfo_path) as f:
             text = f.read()
     except OSError:
         return {"model": platform.processor() or platform.machine() or "unknown", "source": None,
-                **{flag: None for flag in CPU_FLAGS}}
+                **dict.fromkeys(CPU_FLAGS)}
     model, flags = None, set()
     for line in text.splitlines():
         key, _, value = line.partition(":")
@@ -82,8 +72,7 @@ def onednn_enabled():
 def fast_bfloat16():
     """Whether this device has bfloat16 hardware, from the facts alone (no timing).
 
-    GPUs that all have compute capability 8.0+, or no GPU and a CPU with
-    AVX512_BF16 or AMX-BF16 and oneDNN on.
+    GPUs that all have compute capability 8.0+, or no GPU and a CPU with AVX512_BF16 or AMX-BF16 and oneDNN on.
     """
     found = gpus()
     if found:
@@ -95,61 +84,46 @@ def fast_bfloat16():
 def describe(gpus, cpu, onednn):
     """The facts of `gpus()`, `cpu_features()` and `onednn_enabled()` (None: unknown) that explain a route, in one line.
 
-    Example:
         >>> describe([], cpu_features(), onednn_enabled())
         'CPU: AMD EPYC; AVX512_BF16 yes, AMX-BF16 no, AVX512_FP16 no; oneDNN on; no GPU.'
     """
     if gpus:
-        parts = []
+        shown = []
         for gpu in gpus:
-            cc = gpu["compute_capability"]
-            cores = tensor_cores(cc)
-            shown = "unknown" if cc is None else f"{cc[0]}.{cc[1]}"
-            parts.append(f"{gpu['name']} (compute capability {shown}: float16 tensor cores "
-                         f"{yes_no(cores['float16'])}, bfloat16 {yes_no(cores['bfloat16'])})")
-        return "GPU: " + "; ".join(parts) + "."
-    flags = ", ".join(f"{name.upper().replace('_BF16', '-BF16') if name == 'amx_bf16' else name.upper()} "
-                      f"{yes_no(cpu.get(name))}" for name in ("avx512_bf16", "amx_bf16", "avx512_fp16"))
+            cores = tensor_cores(gpu["compute_capability"])
+            shown.append(f"{gpu['name']} (compute capability {capability(gpu['compute_capability'])}: float16 tensor "
+                         f"cores {yes_no(cores['float16'])}, bfloat16 {yes_no(cores['bfloat16'])})")
+        return "GPU: " + "; ".join(shown) + "."
+    flags = ", ".join(f"{shown} {yes_no(cpu.get(name))}" for name, shown in
+                      (("avx512_bf16", "AVX512_BF16"), ("amx_bf16", "AMX-BF16"), ("avx512_fp16", "AVX512_FP16")))
     where = "" if cpu.get("source") else " (no /proc/cpuinfo: features unknown)"
-    dnn = {True: "on", False: "off", None: "unknown"}[onednn]
-    return f"CPU: {cpu.get('model', 'unknown')}{where}; {flags}; oneDNN {dnn}; no GPU."
+    return f"CPU: {cpu.get('model', 'unknown')}{where}; {flags}; oneDNN {yes_no(onednn, 'on', 'off')}; no GPU."
 
 
-def yes_no(flag):
-    """`"yes"`, `"no"` or `"unknown"` (None), as the reports print a fact."""
-    return {True: "yes", False: "no", None: "unknown"}[flag]
+def yes_no(flag, yes="yes", no="no"):
+    """`yes`, `no` or `"unknown"` (None), as the reports print a fact."""
+    return {True: yes, False: no, None: "unknown"}[flag]
+
+
+def capability(compute_capability):
+    """`"8.6"`, or `"unknown"` (None), as the reports print a compute capability."""
+    return "unknown" if compute_capability is None else "{}.{}".format(*compute_capability)
 
 
 def gather_facts():
     """Versions, devices and capabilities of this machine, as a dict.
 
-    Returns:
-        `versions` (Python, TensorFlow, Keras, NumPy), `gpus`, `cpu`,
-        `cpu_features`, `onednn`, `built_with_cuda`, `cuda` / `cudnn` (or
-        None), `tf32`, `xla` ("yes" or why not), `cuda_visible_devices` and
-        `nvidia_driver` (the driver's version line, or None).
+    Keys: `versions` (Python, TensorFlow, Keras, NumPy), `gpus`, `cpu`, `cpu_features`, `onednn`, `built_with_cuda`,
+    `cuda` / `cudnn` (or None), `tf32`, `xla` ("yes" or why not), `cuda_visible_devices`, `nvidia_driver` (or None).
     """
-    versions = {
-        "python": platform.python_version(),
-        "tensorflow": tf.__version__,
-        "keras": keras.__version__,
-        "numpy": np.__version__,
-    }
     build = tf.sysconfig.get_build_info()
-    return {
-        "versions": versions,
-        "gpus": gpus(),
-        "cpu": f"{platform.machine() or 'unknown'}, {os.cpu_count() or '?'} core(s)",
-        "cpu_features": cpu_features(),
-        "onednn": onednn_enabled(),
-        "built_with_cuda": tf.test.is_built_with_cuda(),
-        "cuda": build.get("cuda_version"),
-        "cudnn": build.get("cudnn_version"),
-        "tf32": tf.config.experimental.tensor_float_32_execution_enabled(),
-        "xla": _check_xla(),
-        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        "nvidia_driver": _nvidia_driver(),
-    }
+    return {"versions": {"python": platform.python_version(), "tensorflow": tf.__version__,
+                         "keras": keras.__version__, "numpy": np.__version__},
+            "gpus": gpus(), "cpu": f"{platform.machine() or 'unknown'}, {os.cpu_count() or '?'} core(s)",
+            "cpu_features": cpu_features(), "onednn": onednn_enabled(), "built_with_cuda": tf.test.is_built_with_cuda(),
+            "cuda": build.get("cuda_version"), "cudnn": build.get("cudnn_version"),
+            "tf32": tf.config.experimental.tensor_float_32_execution_enabled(), "xla": _check_xla(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "nvidia_driver": _nvidia_driver()}
 
 
 def _nvidia_driver():
@@ -168,5 +142,4 @@ def _check_xla():
         float(fn(tf.ones((4, 4))))
         return "yes (a jit_compile=True function compiled and ran)"
     except (tf.errors.OpError, RuntimeError, ValueError, NotImplementedError) as e:  # XLA missing or failing
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return f"no: {type(e).__name__}: {first_line[:200]}"
+        return f"no: {type(e).__name__}: {(str(e).strip() or type(e).__name__).splitlines()[0][:200]}"

@@ -1,9 +1,4 @@
-"""Would `TF_ENABLE_ONEDNN_OPTS=1` be faster here? Measured in two worker processes, interleaved.
-
-TensorFlow reads the variable once, when it starts: `compare` starts one
-worker with oneDNN on and one with it off, each timing the probe's MLP step
-(`kmix.route.probe.train_step`) when asked, round after round, and compares
-each setting's fastest configuration round by round (`kmix.route.timing.paired`).
+"""Would `TF_ENABLE_ONEDNN_OPTS=1` be faster here? Measured in two workers (TensorFlow reads it as it starts).
 
     >>> result = compare()
     >>> result.ratio, result.noise     # > 1 + noise: oneDNN on is faster
@@ -33,8 +28,7 @@ class Comparison:
         on, off: `{(dtype, jit_compile): [seconds per round]}` per setting.
         best_on, best_off: each setting's fastest configuration (median).
         ratio, noise: `kmix.route.timing.paired(best_off, best_on)` (above 1 + noise: on is faster).
-        shape: the probe's `(m, k, n)`.
-        seconds: how long it took, the workers' start included.
+        shape, seconds: the probe's `(m, k, n)`; how long it took, the workers' start included.
         enabled: `{"on": bool, "off": bool}`: whether each worker did run with oneDNN.
     """
 
@@ -115,16 +109,10 @@ def serve(shape):
     tensors = mlp_tensors(shape, {dtype for dtype, _ in CONFIGS})
     calls = {f"{dtype}:{'xla' if jit else 'tf'}": functools.partial(lambda f, a: f(*a).numpy(), fn, tensors[dtype])
              for (dtype, jit), fn in step_functions(CONFIGS).items()}
-    for call in calls.values():
-        call()
+    for call in list(calls.values()) * 2:  # trace, and warm up
         call()
     print(json.dumps({"ready": onednn_enabled()}), flush=True)
     for line in sys.stdin:
         if line.strip() != "round":
             break
-        times = {}
-        for key, call in calls.items():
-            begin = time.perf_counter()
-            call()
-            times[key] = time.perf_counter() - begin
-        print(json.dumps(times), flush=True)
+        print(json.dumps({key: timing.seconds(call) for key, call in calls.items()}), flush=True)

@@ -1,9 +1,5 @@
 """The measured probe: a transformer MLP's training step per dtype and compilation, on this device.
 
-`x + gelu(x @ w1 + b1) @ w2`, forward and backward, in float32, bfloat16 and
-float16, as a `tf.function` and under XLA, in interleaved rounds
-(`kmix.route.timing`); cached per process, size and TF32 setting.
-
     >>> print(kmix.device.probe())  # GFLOP/s per dtype, tf.function and XLA, with the spread
 """
 
@@ -26,13 +22,10 @@ class Probe:
     Attributes:
         device: where it ran (`"CPU"` or a GPU's name).
         shape: `(m, k, n)`: `x` of shape `(m, k)`, `w1` `(k, n)`, `w2` `(n, k)`.
-        gflops: `{(dtype, jit_compile): GFLOP/s}` (`12*rows*k*n` matmul FLOPs
-            per step over the median round), every dtype and compilation.
-        seconds: how long the probe took.
-        rounds: `{(dtype, jit_compile): seconds of each round}` (None: figures given, not measured).
+        gflops: `{(dtype, jit_compile): GFLOP/s}` (`12*rows*k*n` matmul FLOPs per step over the median round).
+        seconds, rounds: how long the probe took; `{(dtype, jit_compile): seconds of each round}` (or None).
         rows: the rows every timed configuration ran on: `m`, or `m // 16` where `m` would not fit the budget.
-        screened: configurations more than `SCREEN` times slower than the
-            fastest on a first call at `m // 16` rows, not timed further.
+        screened: configurations `SCREEN` times slower than the fastest on a first call at `m // 16` rows.
         tf32: whether float32 matmuls could use TF32 tensor cores (None: not recorded).
     """
 
@@ -60,29 +53,28 @@ class Probe:
         return {config: [1.0 / max(rate, 1e-12)] for config, rate in self.gflops.items()
                 if config not in self.screened}
 
-    def __str__(self):
+    @property
+    def step(self):
+        """The step timed, at the rows timed: `"x + gelu(x @ w1 + b1) @ w2, x 1024x512, w1 512x2048"`."""
         m, k, n = self.shape
-        rows = self.rows or m
+        return f"x + gelu(x @ w1 + b1) @ w2, x {self.rows or m}x{k}, w1 {k}x{n}"
+
+    def __str__(self):
         rounds = f", median of {len(next(iter(self.rounds.values())))} interleaved rounds" if self.rounds else ""
         tf32 = f", TF32 {'on' if self.tf32 else 'off'}" if self.tf32 is not None and "CPU" not in self.device else ""
-        lines = [f"training step of x + gelu(x @ w1 + b1) @ w2, x {rows}x{k}, w1 {k}x{n}, on {self.device} "
-                 f"({self.seconds:.1f} s{rounds}{tf32}): GFLOP/s (spread)"]
-        lines.append(f"  {'dtype':<9} {'tf.function':>16} {'XLA':>16}")
-        for dtype in DTYPES:
-            lines.append(f"  {dtype:<9} {self._cell(dtype, False):>16} {self._cell(dtype, True):>16}")
+        lines = [f"training step of {self.step}, on {self.device} ({self.seconds:.1f} s{rounds}{tf32}): "
+                 "GFLOP/s (spread)", f"  {'dtype':<9} {'tf.function':>16} {'XLA':>16}"]
+        lines += [f"  {d:<9} {self._cell(d, False):>16} {self._cell(d, True):>16}" for d in DTYPES]
         if self.screened:
-            lines.append(f"  *: {SCREEN}x slower than the fastest on a first call at {max(1, m // 16)} rows "
-                         "(all at that size); not timed further")
+            lines.append(f"  *: {SCREEN}x slower than the fastest on a first call at {max(1, self.shape[0] // 16)} "
+                         "rows (all at that size); not timed further")
         return "\n".join(lines)
 
     def _cell(self, dtype, jit):
-        config = (dtype, jit)
-        rate = f"{self.gflops[config]:.4g}"
+        config, rate = (dtype, jit), f"{self.gflops[(dtype, jit)]:.4g}"
         if config in self.screened:
             return rate + " *"
-        if self.rounds and config in self.rounds:
-            return f"{rate} ({timing.spread(self.rounds[config]):.0%})"
-        return rate
+        return f"{rate} ({timing.spread(self.rounds[config]):.0%})" if self.rounds and config in self.rounds else rate
 
 
 PROBE_ROUNDS = 7  # interleaved rounds of every configuration, at least
@@ -94,15 +86,11 @@ GPU_TENSOR_BYTES = 2**28  # the rows grow at most until a float32 (rows, max(k, 
 def probe(shape=None, budget=0.25):
     """Times the training step of `x + gelu(x @ w1 + b1) @ w2` per dtype, as a `tf.function` and under XLA; cached.
 
-    At least `PROBE_ROUNDS` interleaved rounds at one size; a first call at
-    `m // 16` rows screens out configurations `SCREEN` times slower than the fastest.
-
     Args:
-        shape: `(m, k, n)`; by default `(1024, 512, 2048)` on a CPU and
-            `(8192, 4096, 4096)` on a GPU, where the rows double while a
-            call is shorter than `MIN_GPU_CALL_S` (`size_rows`), up to `gpu_row_limit(shape)`.
-        budget: seconds of rounds per configuration; where the fastest
-            full-size call would take longer, all run at `m // 16` rows.
+        shape: `(m, k, n)`; by default `(1024, 512, 2048)` on a CPU and `(8192, 4096, 4096)` on a GPU, where
+            the rows double while a call is shorter than `MIN_GPU_CALL_S`, up to `gpu_row_limit(shape)`.
+        budget: seconds of rounds per configuration; where the fastest full-size call would take longer, all
+            run at `m // 16` rows.
 
     Returns:
         A `Probe`, measured once per shape, budget and TF32 setting in a process.
@@ -129,7 +117,6 @@ def gpu_row_limit(shape):
 def size_rows(seconds_at, rows, limit, min_seconds=MIN_GPU_CALL_S):
     """The rows, doubling from `rows` up to `limit`, at which one call (`seconds_at(rows)`) takes `min_seconds`.
 
-    Example:
         >>> size_rows(lambda rows: 1e-4 + rows * 1e-7, 1024, 65536)  # 1e-4 + 32768e-7 >= 2e-3
         32768
     """
@@ -145,22 +132,19 @@ def _probe(shape, budget, on_gpu, tf32):
     limit = gpu_row_limit(shape) if on_gpu else m
     tensors = mlp_tensors((limit, k, n), DTYPES)
     fns = step_functions([(dtype, jit) for dtype in DTYPES for jit in (False, True)])
+    at = lambda dtype, rows: [tensors[dtype][0][:rows]] + tensors[dtype][1:]  # noqa: E731  (x cut to `rows`)
     small_rows = max(1, m // 16)
-    first = {config: _first_call(fn, [tensors[config[0]][0][:small_rows]] + tensors[config[0]][1:])
-             for config, fn in fns.items()}
+    first = {config: _first_call(fn, at(config[0], small_rows)) for config, fn in fns.items()}
     rows, screened = plan_rows(first, m, small_rows, budget)
     if on_gpu and rows == m:
         fastest = min(first, key=first.get)
-        rows = size_rows(lambda r: _first_call(fns[fastest], [tensors[fastest[0]][0][:r]] + tensors[fastest[0]][1:]),
-                         rows, limit)
-    args = {dtype: [t[0][:rows]] + t[1:] for dtype, t in tensors.items()}
-    calls = {config: functools.partial(_call, fn, args[config[0]]) for config, fn in fns.items()
-             if config not in screened}
+        rows = size_rows(lambda r: _first_call(fns[fastest], at(fastest[0], r)), rows, limit)
+    args = {dtype: at(dtype, rows) for dtype in DTYPES}
+    calls = {c: functools.partial(_call, fn, args[c[0]]) for c, fn in fns.items() if c not in screened}
     for call in calls.values():  # trace at this size, and warm up
         call()
         call()
-    rounds = timing.run_rounds(calls, {config: 1 for config in calls}, budget * len(calls),
-                               min_rounds=PROBE_ROUNDS)
+    rounds = timing.run_rounds(calls, dict.fromkeys(calls, 1), budget * len(calls), min_rounds=PROBE_ROUNDS)
     gflops = {config: 12 * small_rows * k * n / first[config] / 1e9 for config in screened}
     gflops.update({config: 12 * rows * k * n / timing.median(seconds) / 1e9 for config, seconds in rounds.items()})
     where = gpus()[0]["name"] if on_gpu else f"CPU ({cpu_features()['model']})"
@@ -185,12 +169,7 @@ def _call(fn, args):
 def _first_call(fn, args):
     """Seconds of the faster of two calls after the one that traces (or compiles)."""
     _call(fn, args)
-    times = []
-    for _ in range(2):
-        begin = time.perf_counter()
-        _call(fn, args)
-        times.append(time.perf_counter() - begin)
-    return min(times)
+    return min(timing.seconds(lambda: _call(fn, args)) for _ in range(2))
 
 
 def mlp_tensors(shape, dtypes):

@@ -1,9 +1,4 @@
-"""`kmix.recommend()`: the fastest safe policy and compilation, measured on this device or on your model.
-
-With a model and a batch it times the model's own training step on each
-route (`kmix.route.trials`), else a transformer MLP (`kmix.device.probe`);
-the decision is `kmix.route.rule.choose`'s, worded by `kmix.route.decision`.
-"""
+"""`kmix.recommend()`: the fastest safe policy and compilation, measured on this device or on your model."""
 
 import dataclasses
 import time
@@ -21,41 +16,24 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
               dtypes=None, budget_s=30.0, probe=None, verbose=True):
     """Measures the fastest safe policy and `jit_compile`: on your model's training step, or on this device.
 
-    With a model and data it times the model's own training step on each
-    candidate route (float32, and each half dtype the device's probe ran at
-    least 0.85x as fast, as a `tf.function` and under XLA), built as the
-    README builds it, in interleaved rounds of `train_on_batch` on one batch,
-    on the model's own variables; `model` is left exactly as it was. A half
-    route wins when faster than float32 beyond the measured noise or, where
-    the rounds cannot separate them, by more than 3% in the median.
+    With data it times the model's own training step on each candidate route in interleaved rounds, on the
+    model's own variables, and leaves `model` as it was (docs/guide.md, "Choosing a policy").
 
     Args:
-        model: a built Keras model; compiled with its loss (and optimizer),
-            or pass `loss=` (and `optimizer=`). Without data, only the size
-            of the probe comes from it (its dense kernels).
-        x, y: training data: arrays of one row per example, as many in
-            `y` as in `x` (the first `batch_size` rows are timed), or `x` a
-            `tf.data.Dataset` of `(x, y)` batches (its first batch).
-        sample: instead of `x`, `y`: one batch `(x, y)` or a dataset.
+        model: a built Keras model, compiled with its loss (and optimizer), or pass `loss=` (and `optimizer=`).
+            Without data, only the size of the probe comes from it (its dense kernels).
+        x, y: arrays of one row per example (the first `batch_size` rows are timed), or `x` a `tf.data.Dataset`
+            of `(x, y)` batches (its first batch); or `sample`: one batch `(x, y)` or a dataset.
         batch_size: rows of `x`, `y` per step; 32 by default (as `fit`).
-        loss, optimizer: override the model's compiled ones (the optimizer's
-            settings are copied for every route; `"adam"` if none); an
-            optimizer is a Keras optimizer, its name or its config dict.
-        dtypes: the dtypes to time, e.g. `("float32", "bfloat16")`,
-            instead of the probe's choice.
-        budget_s: seconds for the whole call, probing, building and
-            compiling included (a positive number; kept within 1.25x where
-            it covers the probe). Routes are built in
-            `kmix.route.rule.build_order` while their build and
-            `kmix.route.timing.MIN_ROUNDS` rounds of every route fit; the
-            rounds stop at 1.2x it. Where no half route was timed, the
-            device's probe decides; the reasons say so.
-        probe: a `kmix.device.Probe` to use instead of measuring one.
-        verbose: progress lines on stderr while it measures.
+        loss, optimizer: override the model's compiled ones (`"adam"` if none); an optimizer is a Keras
+            optimizer, its name or its config dict, its settings copied for every route.
+        dtypes: the dtypes to time, e.g. `("float32", "bfloat16")`, instead of the probe's choice.
+        budget_s: seconds for the whole call, probing, building and compiling included (a positive number;
+            kept within 1.25x where it covers the probe). Where no half route was timed, the probe decides.
+        probe: a `kmix.device.Probe` to use instead of measuring one; `verbose`: progress lines on stderr.
 
     Returns:
-        A `Recommendation` (`policy`, `jit_compile`, `reasons`, and with a
-        model and data the `table` of routes).
+        A `Recommendation` (`policy`, `jit_compile`, `reasons`, and with a model and data the `table` of routes).
 
     Example:
 
@@ -68,27 +46,19 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
     start = time.perf_counter()
     budget_s = _check_budget(budget_s)
     optimizer = data.check_optimizer(optimizer)
-    has_data = x is not None or y is not None or sample is not None
-    if model is None or not has_data:
-        if probe is None:
-            if verbose:
-                progress("kmix.recommend: probing this device (a transformer MLP's training step)")
-            probe = measure_probe(None if model is None else model_shape(model))
+    if model is None or (x is None and y is None and sample is None):
+        probe = _measured(probe, verbose and "probing this device (a transformer MLP's training step)",
+                          None if model is None else model_shape(model))
         rec = decide(probe, facts.gpus(), facts.cpu_features(), facts.onednn_enabled())
-        if model is not None:
-            note = ("Sized from the model's dense layers, not timed on it: pass x=, y= (or sample=) to time "
-                    "your own training step on each route.")
-            rec = dataclasses.replace(rec, reasons=rec.reasons + (note,))
-        return rec
+        return rec if model is None else _noted(rec, "Sized from the model's dense layers, not timed on it: pass "
+                                                "x=, y= (or sample=) to time your own training step on each route.")
     loss, optimizer = data.training_setup(model, loss, optimizer)
     batch = data.first_batch(x, y, sample, batch_size)
     data.check_fits(model, batch[0], "sample" if sample is not None else "x")
-    notes = tuple(data.nonfinite_notes(batch, "sample" if sample is not None else None))
+    notes = data.nonfinite_notes(batch, "sample" if sample is not None else None)
     if dtypes is None:
-        if probe is None:
-            if verbose:
-                progress("kmix.recommend: probing this device for the half dtypes worth timing")
-            probe = measure_probe(budget=_probe_budget(budget_s))
+        probe = _measured(probe, verbose and "probing this device for the half dtypes worth timing", None,
+                          _probe_budget(budget_s))
         dtypes, skipped = rule.candidates(probe)
     else:
         dtypes, skipped = rule.check_dtypes(dtypes), ()
@@ -100,24 +70,35 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
     spent = time.perf_counter() - start
     cheapest = min(seconds for (policy, _), seconds in firsts.items() if policy == "float32")
     if cheapest > budget_s - spent:  # not even one route fits: what this device's probe measured decides
-        probe = probe if probe is not None else measure_probe(model_shape(model), _probe_budget(budget_s))
+        probe = _measured(probe, None, model_shape(model), _probe_budget(budget_s))
         rec = decide(probe, gpus, facts.cpu_features(), facts.onednn_enabled())
-        note = (f"budget_s={budget_s:g} left {max(budget_s - spent, 0):.1f} s after {spent:.1f} s of probing and "
-                f"checks: not enough to build one route on the model (about {cheapest:.1f} s, estimated from the "
-                f"probe's pace and the model's {variables} trainable variables, or from one forward pass on the "
-                f"batch, {forward * 1e3:.0f} ms). Recommended from this device's probe instead (above). Timing "
-                f"every route would take a budget_s of about {spent + sum(firsts.values()):.0f} s or more (this "
-                f"call's {spent:.0f} s again, {len(routes)} builds so estimated, and their rounds), estimated, "
-                "not measured: a busier machine needs more.")
-        return dataclasses.replace(rec, reasons=rec.reasons + (note,) + notes)
+        return _noted(rec, f"budget_s={budget_s:g} left {max(budget_s - spent, 0):.1f} s after {spent:.1f} s of "
+                      f"probing and checks: not enough to build one route on the model (about {cheapest:.1f} s, "
+                      f"estimated from the probe's pace and the model's {variables} trainable variables, or from one "
+                      f"forward pass on the batch, {forward * 1e3:.0f} ms). Recommended from this device's probe "
+                      f"instead (above). Timing every route would take a budget_s of about "
+                      f"{spent + sum(firsts.values()):.0f} s or more (this call's {spent:.0f} s again, {len(routes)} "
+                      "builds so estimated, and their rounds), estimated, not measured: a busier machine needs more.",
+                      *notes)
     table = trials.time_routes(model, batch, loss, optimizer, routes, budget_s, verbose,
                                default_jit=bool(gpus), start=start, probe=probe, first_builds=firsts)
     table = dataclasses.replace(table, skipped=tuple(skipped))
     if probe is None and no_half_timed(table):  # dtypes= given: the probe that decides is measured now
-        if verbose:
-            progress("kmix.recommend: no half route timed within budget_s: probing this device to decide")
-        probe = measure_probe(model_shape(model), _probe_budget(budget_s))
-    rec = decide_routes(table, probe, gpus, facts.cpu_features(), facts.onednn_enabled())
+        probe = _measured(probe, verbose and "no half route timed within budget_s: probing this device to decide",
+                          model_shape(model), _probe_budget(budget_s))
+    return _noted(decide_routes(table, probe, gpus, facts.cpu_features(), facts.onednn_enabled()), *notes)
+
+
+def _measured(probe, why, shape, budget=0.25):
+    """`probe`, else the device's probe measured now, saying `why` on stderr (when not None or False)."""
+    if probe is None:
+        if why:
+            progress(f"kmix.recommend: {why}")
+        probe = measure_probe(shape, budget)
+    return probe
+
+
+def _noted(rec, *notes):
     return dataclasses.replace(rec, reasons=rec.reasons + notes) if notes else rec
 
 
@@ -128,22 +109,17 @@ def _probe_budget(budget_s):
 
 def _check_budget(budget_s):
     """`budget_s` as a float, or a ValueError naming it."""
-    ok = isinstance(budget_s, (int, float)) and not isinstance(budget_s, bool) and 0 < budget_s < float("inf")
-    if not ok:
-        raise ValueError("`budget_s` must be a positive number of seconds (e.g. 30). "
-                         f"Received: budget_s={budget_s!r}")
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not 0 < budget_s < float("inf"):
+        raise ValueError(f"`budget_s` must be a positive number of seconds (e.g. 30). Received: budget_s={budget_s!r}")
     return float(budget_s)
 
 
 def model_shape(model):
     """`(m, k, n)` for the probe from a model's dense kernels, or None when it has none."""
-    ins, outs = [], []
-    for variable in model.trainable_variables:
-        shape = tuple(variable.shape)
-        if len(shape) == 2 and "kernel" in variable.path.rsplit("/", 1)[-1]:
-            ins.append(shape[0])
-            outs.append(shape[1])
-    if not ins:
+    kernels = [tuple(v.shape) for v in model.trainable_variables
+               if len(v.shape) == 2 and "kernel" in v.path.rsplit("/", 1)[-1]]
+    if not kernels:
         return None
+    ins, outs = zip(*kernels)
     median = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
     return (1024, min(max(median(ins), 16), 8192), min(max(median(outs), 16), 8192))

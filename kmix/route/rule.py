@@ -1,23 +1,13 @@
-"""The decision: the fastest safe route from interleaved timings, a pure function of them.
-
-`times` maps each route `(dtype, jit_compile)` to its seconds per step, one
-entry per round; every comparison is round by round (`kmix.route.timing.bounds`):
+"""The decision: the fastest safe route from `times` `{(dtype, jit_compile): seconds per step, one per round}`.
 
 ```
 best(dtype) = its compilation that is faster by more than NOISE_FLOOR (3%), else Keras's default
-f32         = best(float32), the reference every ratio divides
-for each half dtype h, r = f32's step / best(h)'s step, round by round:
-    beyond the noise: low > 1 and median > 1 + NOISE_FLOOR      -> a win (if median >= min_gain)
-    settled:          high <= 1 + NOISE_FLOOR                    -> no win
-    otherwise the rounds cannot separate them: the tie rule decides
-        tie="median":  a win when median > 1 + NOISE_FLOOR (and >= min_gain)   # recommend(model, ...)
-        tie="float32": no win                                                  # the MLP probe
-route = the winning half dtype (float16 over bfloat16 only when faster than it by float16_margin,
-        beyond the noise), else float32
+for each half dtype h, r = best(float32)'s step / best(h)'s step, round by round (`timing.bounds`):
+    beyond the noise: low > 1 and median > 1 + NOISE_FLOOR -> a win (if median >= min_gain)
+    settled: high <= 1 + NOISE_FLOOR -> no win; otherwise the tie rule decides:
+        tie="median": a win when median > 1 + NOISE_FLOOR (and >= min_gain); tie="float32": no win
+route = the winning half dtype (float16 over bfloat16 only when float16_margin faster, beyond the noise), else float32
 ```
-
-`unsettled` names the comparisons that need more rounds, `candidates` the
-dtypes worth timing on a model, `build_order` the order to build them in.
 """
 
 import dataclasses
@@ -79,17 +69,13 @@ def gain(times, reference, route):
 
 
 def choose(times, default_jit, min_gain, float16_margin, tie="median"):
-    """The fastest safe route from interleaved timings (pure; the rule is the module's).
+    """The `Choice` of the fastest safe route from interleaved timings (pure; the rule is the module's).
 
     Args:
         times: `{(dtype, jit_compile): [seconds per round]}` (float32 required).
         default_jit: the compilation kept when both are within `NOISE_FLOOR` (True with a GPU).
-        min_gain: the least speed-up over float32 a half dtype must show.
-        float16_margin: how much faster than bfloat16 float16 must be.
+        min_gain, float16_margin: the least speed-up of a half dtype over float32, of float16 over bfloat16.
         tie: what an unsettled comparison gives: `"median"` or `"float32"`.
-
-    Returns:
-        A `Choice`.
     """
     if tie not in TIES:
         raise ValueError(f"`tie` must be one of {TIES}. Received: tie={tie!r}")
@@ -117,32 +103,18 @@ def choose(times, default_jit, min_gain, float16_margin, tie="median"):
 
 
 def unsettled(times, default_jit):
-    """The routes in comparisons the decision reads that the rounds have not settled (empty: all settled).
-
-    Settled: one side faster beyond the noise, or at most `NOISE_FLOOR` faster.
-    The comparisons: each dtype's two compilations, each half dtype's best against float32's.
-    """
+    """The routes of the comparisons `choose` reads (`Gain.settled`) that the rounds have not settled yet."""
     open_ = set()
     for dtype in {c[0] for c in times}:
         configs = [c for c in times if c[0] == dtype]
-        if len(configs) == 2:
-            a, b = configs
-            if not (_settled(times[a], times[b]) and _settled(times[b], times[a])):
-                open_.update(configs)
+        if len(configs) == 2 and not (gain(times, *configs).settled and gain(times, *configs[::-1]).settled):
+            open_.update(configs)
     if any(c[0] == "float32" for c in times):
         reference = best(times, "float32", default_jit)
-        for half in ("bfloat16", "float16"):
-            if any(c[0] == half for c in times):
-                route = best(times, half, default_jit)
-                if not gain(times, reference, route).settled:
-                    open_.update((reference, route))
+        for route in [best(times, h, default_jit) for h in ("bfloat16", "float16") if any(c[0] == h for c in times)]:
+            if not gain(times, reference, route).settled:
+                open_.update((reference, route))
     return open_
-
-
-def _settled(a, b):
-    """Whether it is settled that `b` is faster than `a` beyond the noise, or by at most `NOISE_FLOOR`."""
-    low, ratio, high = timing.bounds(a, b)
-    return ratio > 1 + max(ratio - low, timing.NOISE_FLOOR) or high <= 1 + timing.NOISE_FLOOR
 
 
 def candidates(probe):
@@ -166,8 +138,7 @@ def candidates(probe):
 def check_dtypes(dtypes):
     """`dtypes` as `recommend` times them: float32 (the reference) first, then the halves named."""
     dtypes = [dtypes] if isinstance(dtypes, str) else list(dtypes)
-    unknown = [d for d in dtypes if d not in DTYPES]
-    if unknown or not dtypes:
+    if not dtypes or any(d not in DTYPES for d in dtypes):
         raise ValueError(f"`dtypes` must name some of {DTYPES}. Received: dtypes={dtypes!r}")
     return ["float32"] + [d for d in DTYPES[1:] if d in dtypes]  # float32 is the reference
 
@@ -186,8 +157,7 @@ def build_order(routes, probe=None, default_jit=False):
     if float32:
         jit = best({c: t for c, t in probe.times().items() if c[0] == "float32"}, "float32", default_jit)[1]
         order.append(("float32", jit) if ("float32", jit) in float32 else float32[0])
-    halves = sorted((r for r in routes if r[0] != "float32"), key=rate, reverse=True)
-    order += halves[:1]
+    order += sorted((r for r in routes if r[0] != "float32"), key=rate, reverse=True)[:1]  # the probe's best half
     return order + sorted((r for r in routes if r not in order), key=rate, reverse=True)
 
 

@@ -1,10 +1,7 @@
 """Interleaved timing rounds, and the round-by-round statistics that hold still on a shared machine.
 
-Round r times every live configuration once, in an order that rotates; a
-configuration's figure is its median round; two are compared by the median
-of their round-by-round ratio, with the sign test's distribution-free
-confidence interval (`bounds`, `paired`). After `min_rounds`, only the
-configurations still needed get more rounds while the budget lasts.
+Each round times every live configuration once, in a rotating order; two are compared by the median of their
+round-by-round ratio, with the sign test's confidence interval (docs/guide.md, "Choosing a policy").
 
     >>> rounds = run_rounds({"a": step_a, "b": step_b}, steps={"a": 4, "b": 4}, budget_s=2.0)
     >>> ratio, noise = paired(rounds["a"], rounds["b"])   # > 1 + noise: b is faster
@@ -20,9 +17,14 @@ MIN_ROUNDS = 5  # of every configuration compared: fewer ratios tell too little 
 MAX_ROUNDS = 30  # where the noise keeps a comparison open, it stays open
 
 
-def median(values):
-    """The median of `values`."""
-    return statistics.median(values)
+def seconds(fn):
+    """Seconds one call of `fn` takes (`fn` returns once the device is done)."""
+    begin = time.perf_counter()
+    fn()
+    return time.perf_counter() - begin
+
+
+median = statistics.median  # the median of `values`
 
 
 def spread(values):
@@ -36,9 +38,8 @@ def spread(values):
 def bound_rank(n, confidence=CONFIDENCE):
     """The sign test's `k`: the true median lies above the k-th smallest of `n` ratios with `confidence`.
 
-    The largest `k` (at least 1) with `P(Binomial(n, 1/2) < k) <= 1 - confidence`.
+    The largest `k` (at least 1) with `P(Binomial(n, 1/2) < k) <= 1 - confidence`:
 
-    Example:
         >>> [bound_rank(n) for n in (5, 10, 20, 30)]
         [1, 3, 7, 11]
     """
@@ -50,14 +51,10 @@ def bound_rank(n, confidence=CONFIDENCE):
 
 
 def bounds(a, b):
-    """How many times slower `a` is than `b`, round by round: `(low, median, high)`.
+    """How many times slower `a` is than `b`, round by round: `(low, median, high)` of `a[r] / b[r]`.
 
-    Args:
-        a, b: seconds per step of two configurations, one entry per round (only common rounds count).
-
-    Returns:
-        The median of `a[r] / b[r]` (above 1: `b` is faster) and the
-        `bound_rank`-th smallest and largest ratio; `(1.0, 1.0, 1.0)` with no common round.
+    `a`, `b`: seconds per step, one per round (only common rounds count). `low`, `high`: the `bound_rank`-th
+    smallest and largest ratio; `(1.0, 1.0, 1.0)` with no common round. Above 1: `b` is faster.
     """
     ratios = sorted(x / y for x, y in zip(a, b))
     if not ratios:
@@ -82,19 +79,15 @@ def run_rounds(calls, steps, budget_s, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROU
     """Times `calls` in interleaved rounds; returns `{key: [seconds per step, one per round]}`.
 
     Args:
-        calls: `{key: fn}`; `fn()` runs one step and returns once the device is done (warmed up).
-        steps: `{key: int}`: steps per round for each key.
+        calls, steps: `{key: fn}`, `fn()` running one step (warmed up, returning once the device is done), and
+            `{key: int}`, the steps per round for each key.
         budget_s: seconds for the rounds after the first `min_rounds` (up to `max_rounds`).
-        more: optional `fn(rounds) -> keys` asked after each round from
-            `min_rounds` on: the keys that still need rounds (none: done).
-        report: optional `fn(round_number)` called after each round.
+        more: optional `fn(rounds) -> keys` asked after each round from `min_rounds` on: the keys that still
+            need rounds (none: done); `report`: optional `fn(round_number)` called after each round.
         clock: seconds now (`time.perf_counter`; a simulation passes its own).
         hard_s: optional seconds after which no round but the first starts, `min_rounds` or not.
     """
-    rounds = {key: [] for key in calls}
-    live = list(calls)
-    start = clock()
-    r = 0
+    rounds, live, start, r = {key: [] for key in calls}, list(calls), clock(), 0
     while live and r < max_rounds and (r < min_rounds or clock() - start < budget_s):
         if r and hard_s is not None and clock() - start >= hard_s:
             break

@@ -1,16 +1,8 @@
-"""Trials of the user's own training step on each candidate route, for `kmix.recommend(model, ...)`.
-
-Each route is built on the user's model itself, placed in place and put
-back (`kmix._preserved.Preserved`), its step traced on a model sharing its
-variables (`shared_model`), compiled in `policy_scope(policy)` with
-`kmix.wrap` of one optimizer at learning rate 0, and timed in interleaved
-rounds of `train_on_batch` (`kmix.route.timing.run_rounds`).
-"""
+"""Trials of the user's own training step on each candidate route, for `kmix.recommend(model, ...)`."""
 
 import contextlib
 import dataclasses
 import gc
-import logging
 import time
 import warnings
 
@@ -30,9 +22,7 @@ OVERRUN = 0.2  # the rounds stop at (1 + OVERRUN) x budget_s, their minimum reac
 # Before any route is built: an XLA build counts as XLA_BUILD tf.function builds, and a tf.function build
 # as at least TRACE of the probe's seconds per configuration, or PER_VARIABLE per trainable variable
 # (measured on this project's 2-core CPU: the README's model and encoders of 1-4 blocks).
-XLA_BUILD = 3.0
-TRACE = 3.0
-PER_VARIABLE = 0.5
+XLA_BUILD, TRACE, PER_VARIABLE = 3.0, 3.0, 0.5
 STEPS_PER_BUILD = 3  # a route's build runs this many training steps (two to trace and build, one timed)
 FORWARDS_PER_STEP = 3  # a training step costs about three forward passes (forward, two backward matmuls)
 
@@ -56,6 +46,16 @@ class RouteTiming:
     def label(self):
         """`"O1-bfloat16, XLA"`."""
         return label((self.policy, self.jit_compile))
+
+
+def label(route):
+    """`"O1-bfloat16, XLA"`: a route `(policy, jit_compile)` as the table names it."""
+    return f"{route[0]}, {compiled(route[1])}"
+
+
+def compiled(jit_compile):
+    """`"XLA"` or `"tf.function"`, as the reports name a compilation."""
+    return "XLA" if jit_compile else "tf.function"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +94,7 @@ class RouteTable:
     def needed_s(self):
         """Seconds a call like this one would take to time every route of `order`, at this call's pace.
 
-        The time before building, each build as measured (else `estimate_build`)
-        and `MIN_ROUNDS` rounds of every route (one not built: the slowest step).
+        Before building, each build (else `estimate_build`), `MIN_ROUNDS` rounds of each (else the slowest step).
         """
         builds = {(r.policy, r.jit_compile): r.setup_s for r in self.routes}
         if not builds:
@@ -111,10 +110,9 @@ class RouteTable:
         rows = []
         for i, r in enumerate(self.routes):
             marks = ["<- recommended"] * (i == self.chosen) + ["<- float32 reference"] * (i == self.reference)
-            rows.append([r.policy, "XLA" if r.jit_compile else "tf.function", timing.median(r.seconds) * 1e3,
-                         min(r.seconds) * 1e3, f"{timing.spread(r.seconds):.1%}",
-                         timing.paired(base, r.seconds)[0] if base is not None else "n/a", len(r.seconds),
-                         r.setup_s, ", ".join(marks)])
+            ratio = timing.paired(base, r.seconds)[0] if base is not None else "n/a"
+            rows.append([r.policy, compiled(r.jit_compile), timing.median(r.seconds) * 1e3, min(r.seconds) * 1e3,
+                         f"{timing.spread(r.seconds):.1%}", ratio, len(r.seconds), r.setup_s, ", ".join(marks)])
         headers = ["policy", "compiled", "ms/step", "fastest", "spread", "x float32", "rounds", "setup s", ""]
         budget = "" if self.budget_s is None else f" of budget_s={self.budget_s:g}"
         before = f"{self.before_s:.0f} s before the first build (the probe, the checks), then " if self.order else ""
@@ -132,12 +130,10 @@ def time_routes(model, batch, loss, optimizer, routes, budget_s, verbose=True, d
                 probe=None, first_builds=None):
     """Builds, warms up and times every route that fits `budget_s` (from `start`); returns a `RouteTable`.
 
-    Every route runs on `model`'s own variables with one optimizer of the
-    user's settings at learning rate 0; the model is put back as it was.
-    Routes are built in `kmix.route.rule.build_order` (`fitting_first` with
-    `first_builds`), each after the first only where its build and
-    `MIN_ROUNDS` rounds of every route fit; the rounds stop at `1 + OVERRUN` x `budget_s`.
-    `batch` is `data.first_batch`'s, `loss` and `optimizer` `data.training_setup`'s.
+    Each route is placed on `model` in place and put back (`kmix._preserved.Preserved`); its step runs on a
+    model sharing the variables (`_Shared`) with `kmix.wrap` of one optimizer at learning rate 0. Routes are
+    built in `rule.build_order` (`fitting_first` with `first_builds`), each after the first only where its
+    build and `MIN_ROUNDS` rounds of every route fit; the rounds stop at `1 + OVERRUN` x `budget_s`.
     """
     say = progress if verbose else (lambda message: None)
     x, y, described = batch
@@ -153,7 +149,6 @@ def time_routes(model, batch, loss, optimizer, routes, budget_s, verbose=True, d
     with Preserved(model, saved=saved) as kept, _quiet_retracing(), warnings.catch_warnings():
         warnings.filterwarnings("once", category=UserWarning)  # autocast's, about the model: once, not per route
         for n, route in enumerate(order, 1):
-            policy, jit = route
             why = _over_budget(route, setup, first, deadline, budget_s) if built else None
             if why:
                 over.append((label(route), why))
@@ -162,16 +157,13 @@ def time_routes(model, batch, loss, optimizer, routes, budget_s, verbose=True, d
             say(f"kmix.recommend: [{n}/{len(order)}] building and compiling {label(route)}")
             begin = time.perf_counter()
             try:
-                step = _route_step(model, policy, jit, inner, loss, x, y)
+                step = _route_step(model, *route, inner, loss, x, y)
                 step()  # traces (or compiles) and builds the optimizer
                 step()
             finally:
                 kept.restore_layers()  # the traced step keeps the route's placement
             setup[route] = time.perf_counter() - begin
-            begin = time.perf_counter()
-            step()
-            first[route] = time.perf_counter() - begin
-            built[route] = step
+            first[route], built[route] = timing.seconds(step), step
         now = time.perf_counter()
         left = max(deadline - now, 0.0)
         per_round = left / TARGET_ROUNDS / len(built)
@@ -188,8 +180,7 @@ def time_routes(model, batch, loss, optimizer, routes, budget_s, verbose=True, d
                                    max_rounds=MAX_ROUNDS, more=more, hard_s=hard - now)
         built.clear()
     gc.collect()
-    timings = tuple(RouteTiming(policy, bool(jit), tuple(rounds[(policy, jit)]), setup[(policy, jit)],
-                                steps[(policy, jit)]) for policy, jit in routes if (policy, jit) in rounds)
+    timings = tuple(RouteTiming(r[0], bool(r[1]), tuple(rounds[r]), setup[r], steps[r]) for r in routes if r in rounds)
     return RouteTable(timings, batch=described, seconds=time.perf_counter() - start, over_budget=tuple(over),
                       budget_s=budget_s, order=tuple(order), before_s=before)
 
@@ -197,18 +188,11 @@ def time_routes(model, batch, loss, optimizer, routes, budget_s, verbose=True, d
 def build_estimate(model, x):
     """`(seconds a route's build is estimated to take, seconds one forward pass took)`, from one forward pass.
 
-    A build is `STEPS_PER_BUILD` steps of about `FORWARDS_PER_STEP` forward passes, and a trace (one more).
+    A build: `STEPS_PER_BUILD` steps of about `FORWARDS_PER_STEP` forward passes, and a trace (one more).
     """
-    begin = time.perf_counter()
     # Converted to NumPy for the sync: on a GPU the call returns once the ops are queued, not done.
-    keras.tree.map_structure(keras.ops.convert_to_numpy, model(x, training=False))
-    forward = time.perf_counter() - begin
+    forward = timing.seconds(lambda: keras.tree.map_structure(keras.ops.convert_to_numpy, model(x, training=False)))
     return forward * (STEPS_PER_BUILD * FORWARDS_PER_STEP + 1), forward
-
-
-def label(route):
-    """`"O1-bfloat16, XLA"`: a route `(policy, jit_compile)` as the table names it."""
-    return f"{route[0]}, {'XLA' if route[1] else 'tf.function'}"
 
 
 def fitting_first(order, first_builds, left):
@@ -220,9 +204,8 @@ def fitting_first(order, first_builds, left):
 def first_build(route, forward_build, probe=None, variables=0):
     """Seconds `route`'s build is estimated to take before any route was built.
 
-    The larger of `forward_build` (`build_estimate`'s) and the probe's
-    seconds per configuration times `TRACE` or `PER_VARIABLE` per trainable
-    variable (the larger), `XLA_BUILD` times more under XLA.
+    The larger of `forward_build` (`build_estimate`'s) and the probe's seconds per configuration times `TRACE`
+    or `PER_VARIABLE` per trainable variable (the larger), `XLA_BUILD` times more under XLA.
     """
     per_configuration = probe.seconds / len(probe.gflops) if probe is not None and probe.gflops else 0.0
     trace = per_configuration * max(TRACE, PER_VARIABLE * variables) * (XLA_BUILD if route[1] else 1.0)
@@ -252,38 +235,31 @@ def _over_budget(route, setup, first, deadline, budget_s):
             f"{MIN_ROUNDS} rounds of every route ({rounds:.1f} s): {max(left, 0):.1f} s left")
 
 
-def shared_model(model):
-    """A `keras.Model` calling `model` (inputs as `fit` gives them): its own compile and step, `model`'s variables."""
+class _Shared(keras.Model):
+    """A model calling `inner` (inputs as `fit` gives them): its own compile and step, `inner`'s variables."""
 
-    class Shared(keras.Model):
-        def __init__(self, inner):
-            super().__init__(name=f"kmix_timing_{inner.name}", autocast=False)
-            self.inner = inner
+    def __init__(self, inner):
+        super().__init__(name=f"kmix_timing_{inner.name}", autocast=False)
+        self.inner = inner
 
-        def call(self, inputs, training=None):
-            return self.inner(inputs, training=training)
-
-    return Shared(model)
+    def call(self, inputs, training=None):
+        return self.inner(inputs, training=training)
 
 
 def _route_step(model, policy, jit, inner, loss, x, y):
     """`model` placed under `policy` (in place) and a step of a model sharing its variables, compiled."""
-    shared = shared_model(model)
+    shared = _Shared(model)
     autocast(model, policy)
     with policy_scope(policy):
         shared.compile(optimizer=wrap(inner), loss=loss, jit_compile=jit)
     return lambda: shared.train_on_batch(x, y)  # returns the loss as a Python float: the device is done
 
 
-class _RetracingFilter(logging.Filter):
-    def filter(self, record):
-        return "triggered tf.function retracing" not in record.getMessage()
-
-
 @contextlib.contextmanager
 def _quiet_retracing():
     """Drops TensorFlow's retracing warning while the routes trace (one train-step function per copy)."""
-    logger, quiet = tf.get_logger(), _RetracingFilter()
+    logger = tf.get_logger()
+    quiet = lambda record: "triggered tf.function retracing" not in record.getMessage()  # noqa: E731
     logger.addFilter(quiet)
     try:
         yield
