@@ -1,7 +1,6 @@
 """Gradient all-reduce in float16 or bfloat16 (`allreduce_dtype`), checked on the sums.
 
-Half the bytes of float32 on the wire, as Apex, DeepSpeed and torch's
-`fp16_compress_hook` do; the inner optimizer takes the sums as they are:
+Half the bytes of float32 on the wire (Apex, DeepSpeed, torch's `fp16_compress_hook`):
 
     g = float32(g) * m              # m = 1 for scaled gradients, the loss scale for unscaled ones
     b = all_reduce(SUM, max|g|)     # float16 only: one float32 per variable
@@ -9,8 +8,7 @@ Half the bytes of float32 on the wire, as Apex, DeepSpeed and torch's
     s = all_reduce(SUM, half(g * w)) / w
     finite = all(isfinite(s))       # the same on every replica: an inf anywhere skips the step everywhere
 
-Each replica's gradient is already its share of the mean (Keras divides the
-loss by the replicas), so the sum is the mean. One replica: nothing to reduce.
+Each replica's gradient is its share of the mean (Keras divides the loss by the replicas): the sum is the mean.
 """
 
 import tensorflow as tf
@@ -72,12 +70,8 @@ def all_reduce(grads, variables, allreduce_dtype, multiplier=None, poison=None):
 
 
 def wire_scales(bounds):
-    """Per bound `b` (float32), the power of two `w` with `b * w` in [2^14, 2^15); 1 where `b` is not finite.
-
-    Exact: the exponent is read from `b`'s bits, not from a logarithm, and
-    `w` is built from its bits. `w` stays within [2^-120, 2^120] (a zero or
-    subnormal bound gets 2^120).
-    """
+    """Per bound `b`, the power of two `w` with `b * w` in [2^14, 2^15), from `b`'s bits (exact), within
+    [2^-120, 2^120]; 1 where `b` is not finite."""
     bits = tf.bitcast(tf.cast(bounds, tf.float32), tf.int32)
     exponent = tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, 23), 0xFF) - 127  # floor(log2 b)
     shift = tf.clip_by_value(14 - exponent, -120, 120)

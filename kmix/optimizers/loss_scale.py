@@ -22,22 +22,12 @@ _log = logging.getLogger("kmix")
 class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     """A `keras.optimizers.LossScaleOptimizer` with bounds, hysteresis, counters and float32 master weights.
 
-    On every `apply(grads)` / `apply_gradients`:
-
-    ```
-    grads = all-reduce(grads)                # by kmix in `allreduce_dtype`, or by the inner optimizer
-    finite = all gradients finite            # on the sums over all replicas
-    if finite: inner optimizer applies grads / scale (in float32; on master copies where there are some)
-    else: skip (no weight, slot or iteration changes; what the forward pass wrote is put back)
-    scale, counters = ScaleRule(...).adjust(state, finite)        # kmix.optimizers.scaling
-    ```
-
-    Every argument is kept by `get_config`, so `from_config(get_config())` is
-    the same optimizer. `"auto"` (what `kmix.wrap` passes outside a float16
-    policy) is decided in `build` from the variables `fit` hands it: dynamic
-    where they are float16, were placed by `kmix.autocast` to compute in
-    float16, or belong to the model given to `track`; else at the first traced
-    step, where it computes through float16 operations; else a fixed scale of 1.
+    Each step: all-reduce (in `allreduce_dtype`, or by the inner optimizer); if every gradient is finite,
+    the inner optimizer applies `grads / scale` in float32 (on master copies where there are some), else the
+    step is skipped and what its forward pass wrote is put back; then `scaling.ScaleRule.adjust`. Every
+    argument is kept by `get_config`. `"auto"` is decided in `build`: dynamic where the variables are
+    float16, were placed to compute in float16, or belong to the model given to `track`; else at the first
+    traced step if it computes in float16; else a fixed scale of 1 (docs/guide.md).
 
     Args:
         inner_optimizer: the `keras.optimizers.Optimizer` to wrap.

@@ -1,17 +1,8 @@
 """The opt level an optimizer's saved state was written at, and reading it at another level.
 
-A `kmix.LossScaleOptimizer` saves its `Layout` with its state and compares it
-on a read. A `.weights.h5` / `.keras` store (key `kmix_layout`) from another
-level is converted: scale, counters and slots by position (the scale only
-between runs that both scale, or both not), master copies it lacks made from
-the loaded weights, Kahan remainders it lacks zeroed; masters read into Kahan
-remainders or back raise naming both levels, with nothing assigned. A
-`tf.train.Checkpoint` (dependency `kmix_layout`) restores by object layout, so
-a read at another layout raises before any of the optimizer's values is read.
+A weights store (key `kmix_layout`) from another level is converted; a `tf.train.Checkpoint` (dependency
+`kmix_layout`) at another layout raises naming both levels before any value is read (docs/guide.md).
 
-Example:
-
->>> o1_model.save_weights("o1.weights.h5")  # placed at O1, compiled with kmix.wrap(...)
 >>> o2_model.load_weights("o1.weights.h5")  # at O2: float16 weights, master copies made from them
 """
 

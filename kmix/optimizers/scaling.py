@@ -40,14 +40,9 @@ class ScaleState(NamedTuple):
 class ScaleRule(NamedTuple):
     """How the scale reacts to one step's finite flag (the module's pseudo-code).
 
-    `growth_interval` may be an int64 variable (`kmix.callbacks.LossScaleWarmup`
-    lowers it); `>=` grows at the next finite step when it drops below a count
-    already passed.
+    `growth_interval` may be an int64 variable (`LossScaleWarmup` lowers it; `>=` then grows at the next step).
 
-    Example:
-
-    >>> rule = ScaleRule(2000, 2.0, 0.5, 1, 1.0, 2.0**24)
-    >>> state = rule.adjust(ScaleState(tf.constant(2.0**15), tf.constant(0, tf.int64), tf.constant(1, tf.int64)), False)
+    >>> ScaleRule(2000, 2.0, 0.5, 1, 1.0, 2.0**24).adjust(state, finite=False)
     """
 
     growth_interval: object

@@ -1,11 +1,8 @@
 """One optimizer step, read from the traced step itself: scaled or not, what its forward pass wrote, float16 or not.
 
-```
-apply(grads), scaled=None:  computed from what get_unscaled_gradients returned -> as given
-                            else the step's loss went through scale_loss      -> divide by the scale
-                            else -> as given, with a warning once (a train_step written for float32)
-```
-"The step": the outermost `tf.function` graph being traced (or eager execution) and the thread.
+`apply(grads, scaled=None)` takes gradients computed from `get_unscaled_gradients`' results as given, divides
+by the scale where the step's loss went through `scale_loss`, else takes them as given and warns once. "The
+step": the outermost `tf.function` graph being traced (or eager execution), per thread.
 """
 
 import threading

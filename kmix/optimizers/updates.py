@@ -1,15 +1,8 @@
 """How the inner optimizer's update reaches the model's variables: master copies, Kahan, fused Adam, SGD.
 
-float16 keeps 11 significant bits and bfloat16 8: an update below |w| * 2^-11
-(2^-8) rounds away. `MasterWeights` keeps, for each half trainable variable,
-either a float32 copy the inner optimizer updates (copied back, rounded, after
-every step) or, with `"kahan"`, a 2-byte buffer of each update's rounding
-remainder in units of the parameter's spacing (optimi's and torchao's idea,
-with 11 bits of remainder whatever the magnitude):
-
-```
-y = update + c * unit(p);  new = half(p + y);  c = float16((y - (new - p)) / unit(new))
-```
+`MasterWeights` keeps per half trainable variable a float32 copy (updated, copied back rounded) or, with
+`"kahan"`, a 2-byte remainder in units of its spacing: `y = update + c * unit(p); new = half(p + y);
+c = float16((y - (new - p)) / unit(new))` (optimi's and torchao's idea).
 """
 
 import functools
