@@ -14,7 +14,6 @@ included, ends it.
     ...     kept.commit()               # all or nothing: from here on the placement stays
 """
 
-import contextlib
 import os
 import shutil
 import signal
@@ -72,6 +71,7 @@ class Preserved:
         self._records = _state.snapshot(variables)
         trainable = {id(v) for v in self.model.trainable_variables}
         self._dir = tempfile.mkdtemp(prefix="kmix-preserved-")
+        self._signals = _ExitGuard()  # a Ctrl-C landing in __exit__ waits until the model is back
         entered = False
         try:
             for i, variable in enumerate(self._variables):
@@ -84,6 +84,7 @@ class Preserved:
         finally:
             if not entered:
                 shutil.rmtree(self._dir, ignore_errors=True)
+                self._signals.close()
         return self
 
     def restore_layers(self):
@@ -103,17 +104,26 @@ class Preserved:
                 lost.append(variable.path)
         return lost
 
+    def _put_back(self):
+        self.restore_layers()
+        lost = self.restore_variables()
+        _state.restore_records(self._records)
+        return lost
+
     def __exit__(self, *exc):
         if self._undo == "never" or (self._undo == "on_error" and exc[0] is None):
             shutil.rmtree(self._dir, ignore_errors=True)
+            self._signals.close()
             return False
         try:
-            with interrupts_deferred():  # a Ctrl-C while putting the model back would leave it half put back
-                self.restore_layers()
-                lost = self.restore_variables()
-                _state.restore_records(self._records)
+            try:
+                lost = self._put_back()
+            except BaseException:  # raised while putting back: every step is idempotent, so a second pass
+                self._put_back()   # finishes it (a failure that repeats propagates), then the first error goes on
+                raise
         finally:
             shutil.rmtree(self._dir, ignore_errors=True)
+            self._signals.close()  # raises a Ctrl-C deferred while the model was put back
         if lost:
             message = (f"{len(lost)} variables of model {self.model.name!r} changed where kmix kept no copy of "
                        f"them (it kept {self._saved!r}): {lost[:8]}. This is a kmix bug: please report it with "
@@ -124,23 +134,37 @@ class Preserved:
         return False
 
 
-@contextlib.contextmanager
-def interrupts_deferred():
-    """Within the block a Ctrl-C (SIGINT) waits: it is raised as KeyboardInterrupt when the block ends.
+class _ExitGuard:
+    """From `Preserved.__enter__` to the end of its `__exit__`: a Ctrl-C (SIGINT) that lands while the model is
+    being put back waits, and is raised as KeyboardInterrupt by `close`; elsewhere it interrupts as before.
 
-    Only in the main thread (where Python delivers signals); elsewhere the block runs as it is.
+    Only in the main thread (where Python delivers signals); elsewhere it does nothing.
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if received:
-        raise KeyboardInterrupt("deferred while kmix put the model back")
+
+    def __init__(self):
+        self.received, self.previous = [], None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        caller = frame
+        while caller is not None:
+            if caller.f_code in _PUTTING_BACK:
+                self.received.append(signum)
+                return
+            caller = caller.f_back
+        if callable(self.previous):
+            self.previous(signum, frame)
+        elif self.previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
+
+    def close(self):
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            self.previous = None
+        if self.received:
+            self.received = []
+            raise KeyboardInterrupt("deferred while kmix put the model back")
 
 
 def _objects(model):
@@ -160,3 +184,7 @@ def _objects(model):
                 add(node)
                 add(_compat.node_call(node)[0])
     return found
+
+
+_PUTTING_BACK = {Preserved.__exit__.__code__, Preserved._put_back.__code__, Preserved.restore_layers.__code__,
+                 Preserved.restore_variables.__code__}

@@ -1,4 +1,4 @@
-"""`kmix.autocast` is all or nothing: an interrupt at any call point leaves the model exactly as it was.
+"""`kmix.autocast` and `kmix.export` are all or nothing: an interrupt at any call point leaves the model as it was.
 
 A KeyboardInterrupt is injected at the n-th call of a function in kmix's own code while
 autocast runs (sys.settrace), for n spread over every call it makes. The reference is the
@@ -6,6 +6,7 @@ model before the call: weights bitwise with their dtypes, each layer's class and
 object, its compiled `predict_function`, no call wrapper left, and its predictions.
 """
 
+import signal
 import sys
 
 import keras
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 import kmix
+from kmix import _preserved
 from tests.testing import FULL
 
 KMIX = kmix.__file__.rsplit("/", 1)[0]
@@ -44,7 +46,11 @@ def _placement(model):
 
 
 class _Interrupt:
-    """A tracer raising KeyboardInterrupt at the `at`-th call into kmix's code (counting only, with None)."""
+    """A tracer raising KeyboardInterrupt at the `at`-th call into kmix's code (counting only, with None).
+
+    At the entry of `Preserved.__exit__`, where no code of it has run and so no error can be raised, it
+    sends a real Ctrl-C (SIGINT) instead: only a signal can land there.
+    """
 
     def __init__(self, at=None):
         self.at, self.calls = at, 0
@@ -53,8 +59,25 @@ class _Interrupt:
         if event == "call" and frame.f_code.co_filename.startswith(KMIX):
             self.calls += 1
             if self.calls == self.at:
+                if frame.f_code is _preserved.Preserved.__exit__.__code__:
+                    signal.raise_signal(signal.SIGINT)  # delivered as __exit__ starts
+                    return None
                 raise KeyboardInterrupt(f"injected at call {self.at}: {frame.f_code.co_name}")
         return None
+
+
+def _interrupted(call):
+    """Whether `call` raised the injected KeyboardInterrupt.
+
+    An interrupt that lands in a generator's finalizer (its close is a call too)
+    is dropped by Python ("Exception ignored in"), as a real Ctrl-C there would
+    be: the call then finishes.
+    """
+    try:
+        call()
+    except KeyboardInterrupt:
+        return True
+    return False
 
 
 def _run(model, level, tracer):
@@ -80,12 +103,10 @@ def test_an_interrupt_anywhere_leaves_the_model_as_it_was(level):
         model = _model()
         expected = model.predict(x, verbose=0)
         before = _state(model)
-        with pytest.raises(KeyboardInterrupt):
-            _run(model, level, _Interrupt(at))
-            print(f"autocast returned without reaching call {at}")
-        after = _state(model)
-        if _placement(model) == placed:  # interrupted on the way out, after autocast's last change
+        if not _interrupted(lambda: _run(model, level, _Interrupt(at))) or _placement(model) == placed:
+            assert _placement(model) == placed, at  # it finished: interrupted on the way out, or not at all
             continue
+        after = _state(model)
         assert after[0] == before[0], f"weights changed by an interrupt at call {at}"
         assert all(a[0] is b[0] and a[1] is b[1] and not a[2] for a, b in zip(after[1], before[1])), at
         assert after[2] is before[2], at
@@ -119,3 +140,44 @@ def test_a_ctrl_c_while_export_puts_the_model_back_waits_until_it_is_back(tmp_pa
     assert after[0] == before[0] and after[2] is before[2]
     assert all(a[0] is b[0] and a[1] is b[1] and not a[2] for a, b in zip(after[1], before[1]))
     np.testing.assert_array_equal(model.predict(x, verbose=0), expected)
+
+
+def _export(model, path, x, tracer):
+    sys.settrace(tracer)
+    try:
+        kmix.export(model, path, sample=x, verbose=False)
+    finally:
+        sys.settrace(None)
+
+
+def test_an_interrupt_anywhere_in_export_leaves_the_model_as_it_was_and_no_partial_artifact(tmp_path):
+    """export places a bfloat16 copy of the model's computation and puts the model back: interrupted anywhere,
+    the model is as before (weights bitwise, policies, predict function, no wrapper) and the path holds
+    nothing or a whole artifact that serves the model's predictions."""
+    import os
+
+    import tensorflow as tf
+
+    x = np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
+    counter = _Interrupt()
+    for index, tracer in enumerate((None, counter)):  # the first run's one-time work out of the count
+        model = _model()
+        model.predict(x, verbose=0)
+        _export(model, str(tmp_path / f"count{index}"), x, tracer)
+    # 300 call points spread over the call under KMIX_FULL_TESTS, 8 otherwise.
+    points = sorted({int(p) for p in np.linspace(1, counter.calls, 300 if FULL else 8)})
+    for at in points:
+        model = _model()
+        expected = model.predict(x, verbose=0)
+        before = _state(model)
+        path = str(tmp_path / f"served{at}")
+        if not _interrupted(lambda: _export(model, path, x, _Interrupt(at))):
+            assert os.path.exists(path), at  # it finished: the artifact is checked below
+        after = _state(model)
+        assert after[0] == before[0], f"weights changed by an interrupt at call {at}"
+        assert all(a[0] is b[0] and a[1] is b[1] and not a[2] for a, b in zip(after[1], before[1])), at
+        assert after[2] is before[2], at
+        np.testing.assert_array_equal(model.predict(x, verbose=0), expected)
+        if os.path.exists(path):  # interrupted after the artifact moved in: it is whole
+            loaded = tf.saved_model.load(path)  # held: its functions use its variables
+            np.testing.assert_allclose(np.asarray(loaded.serve(x), np.float32), expected, atol=0.05)
