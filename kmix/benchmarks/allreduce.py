@@ -1,11 +1,7 @@
-"""`python -m kmix bench allreduce`: step time with gradients all-reduced in float32, float16, bfloat16.
-
-Two `MultiWorkerMirroredStrategy` workers on 127.0.0.1 (this module, run twice) train a communication-bound
-stack of wide `Dense` layers with `kmix.wrap(SGD, allreduce_dtype=...)`, rounds alternating over the dtypes;
-then a small `mixed_float16` MLP, whose scaled head gradient is beyond float16 at the start, shows the accuracy.
-"""
+"""`python -m kmix bench allreduce`: step time with gradients all-reduced in float32, float16, bfloat16."""
 
 import argparse
+import functools
 import json
 import os
 import socket
@@ -13,8 +9,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-from kmix.benchmarks.common import alternate, format_table, median, progress, steady
+import keras
+import numpy as np
+import tensorflow as tf
+
+import kmix
+from kmix.benchmarks.common import add_options, alternate, bench_parser, format_table, median, progress, steady
 
 DTYPES = (None, "float16", "bfloat16")
 ROWS_PER_WORKER = 2
@@ -23,13 +25,11 @@ TIMEOUT = 900  # seconds for the pair
 
 def main(argv=None):
     """Runs the benchmark; prints both tables and returns the timing table's rows."""
-    parser = argparse.ArgumentParser(prog="python -m kmix bench allreduce", description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=2048, help="units of each Dense layer")
-    parser.add_argument("--layers", type=int, default=6, help="Dense layers (width^2 parameters each)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per dtype and round")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds over the dtypes")
-    parser.add_argument("--accuracy-steps", type=int, default=300, help="steps of the small MLP; 0 skips it")
-    parser.add_argument("--quick", action="store_true", help="a smoke test: tiny model, one round, no accuracy")
+    parser = bench_parser("allreduce", __doc__)
+    add_options(parser, width=(2048, "units of each Dense layer"), layers=(6, "Dense layers (width^2 parameters each)"),
+                steps=(5, "timed steps per dtype and round"), rounds=(3, "rounds over the dtypes"),
+                accuracy_steps=(300, "steps of the small MLP (0 skips it)"),
+                quick="a smoke test: tiny model, one round, no accuracy")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -41,15 +41,14 @@ def main(argv=None):
     names = ("float32", "float16", "bfloat16")
     rows = [[n, 1e3 * r["step_s"][n], r["skipped"][n], r["bytes"][n] / 1e6, r["step_s"][n] / r["step_s"]["float32"],
              r["bytes"][n] / r["bytes"]["float32"]] for n in names]
-    print(f"Two workers on 127.0.0.1, {r['params']:,} parameters, "
-          f"{ROWS_PER_WORKER} rows per worker, SGD, median of {args.rounds} x {args.steps} steps:")
+    print(f"Two workers on 127.0.0.1, {r['params']:,} parameters, {ROWS_PER_WORKER} rows per worker, SGD, median of "
+          f"{args.rounds} x {args.steps} steps:")
     print(format_table(["all-reduce", "step ms", "skipped", "MB per step", "step / float32", "bytes / float32"], rows))
     if r.get("loss"):
-        print(f"\nA small MLP (regression) under mixed_float16, float32 output layer, Adam 1e-2, "
-              f"{args.accuracy_steps} steps:")
         loss = r["loss"]
-        print(format_table(["all-reduce", "skipped", "held-out loss", "loss / float32"],
-                           [[n, r["loss_skipped"][n], loss[n], loss[n] / loss["float32"]] for n in names]))
+        print(f"\nA small MLP (regression) under mixed_float16, float32 output layer, Adam 1e-2, {args.accuracy_steps} "
+              "steps:\n" + format_table(["all-reduce", "skipped", "held-out loss", "loss / float32"],
+                                        [[n, r["loss_skipped"][n], loss[n], loss[n] / loss["float32"]] for n in names]))
     return rows
 
 
@@ -68,12 +67,12 @@ def _run_pair(argv):
         for index, log in enumerate(logs):
             task = {"type": "worker", "index": index}
             env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": task}), CUDA_VISIBLE_DEVICES="",
-                       PYTHONPATH=os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p))
-            env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-            command = [sys.executable, "-m", "kmix.benchmarks.allreduce", *argv, "--worker", str(index)]
+                       PYTHONPATH=os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p),
+                       TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
+            command = [sys.executable, "-m", "kmix.benchmarks.allreduce", *argv, "--worker", str(index),
+                       "--out", folder]
             with open(log, "w") as f:
-                processes.append(subprocess.Popen(command + ["--out", folder], env=env, stdout=f,
-                                                  stderr=subprocess.STDOUT))
+                processes.append(subprocess.Popen(command, env=env, stdout=f, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + TIMEOUT
         while time.monotonic() < deadline and any(p.poll() is None for p in processes) and not any(
                 p.poll() for p in processes):  # both running, or one failed
@@ -88,49 +87,43 @@ def _run_pair(argv):
         tails = [f"--- worker {i} (exit code {code}):\n" + open(log, errors="replace").read()[-3000:]
                  for i, (code, log) in enumerate(zip(codes, logs))]
         raise RuntimeError("bench allreduce: a worker failed.\n" + "\n".join(tails))
-    with open(os.path.join(folder, "results.json")) as f:
-        return json.load(f)
+    return json.loads(Path(folder, "results.json").read_text())
 
 
 def _worker(args):
-    import tensorflow as tf
-
     tf.config.threading.set_intra_op_parallelism_threads(1)
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    import keras
-
-    import kmix
-
     global_batch = ROWS_PER_WORKER * 2
     x = tf.random.stateless_normal((global_batch, args.width), (1, 2))
     batch = next(iter(strategy.experimental_distribute_dataset(steady(tf.data.Dataset.from_tensors(x).repeat()))))
     steps, byte_counts, optimizers, params = {}, {}, {}, 0
     for dtype in DTYPES:
+        name = dtype or "float32"
         with strategy.scope():
             keras.utils.set_random_seed(0)
             model = keras.Sequential([keras.Input((args.width,))] + [keras.layers.Dense(args.width)
                                                                      for _ in range(args.layers)])
-            opt = optimizers[dtype or "float32"] = kmix.wrap(keras.optimizers.SGD(1e-6), allreduce_dtype=dtype)
+            opt = optimizers[name] = kmix.wrap(keras.optimizers.SGD(1e-6), allreduce_dtype=dtype)
             opt.build(model.trainable_variables)
         params = model.count_params()
-        byte_counts[dtype or "float32"] = _bytes_per_step(model.trainable_variables, dtype)
-        step_fn = _step_fn(model, opt, lambda x, model=model: tf.reduce_sum(tf.square(model(x))) / global_batch)
+        # Bytes one replica sends per step: the gradients in `dtype` (float16: and one float32 bound each).
+        byte_counts[name] = sum(int(tf.size(v)) * tf.as_dtype(dtype or getattr(v.dtype, "name", v.dtype)).size
+                                + (4 if dtype == "float16" else 0) for v in model.trainable_variables)
+        step_fn = functools.partial(_step, model, opt, lambda x, m=model: tf.reduce_sum(tf.square(m(x))) / global_batch)
         step = tf.function(lambda x, f=step_fn: strategy.reduce("SUM", strategy.run(f, args=(x,)), axis=None))
-        steps[dtype or "float32"] = lambda step=step: [step(batch).numpy() for _ in range(args.steps)]
+        steps[name] = lambda step=step: [step(batch).numpy() for _ in range(args.steps)]
     report = lambda r, t: print(  # noqa: E731
         f"round {r}: " + ", ".join(f"{n} {1e3 * median(s) / args.steps:.1f} ms" for n, s in t.items()), flush=True)
     times = alternate(steps, args.rounds, warmup=1, after_round=report)  # the warm-up traces each step
     results = {"params": params, "bytes": byte_counts, "step_s": {n: median(t) / args.steps for n, t in times.items()},
-               "skipped": {n: _skipped(keras, opt) for n, opt in optimizers.items()}}
+               "skipped": {n: int(keras.ops.convert_to_numpy(opt.skipped_steps)) for n, opt in optimizers.items()}}
     if args.accuracy_steps:
-        small = {(d or "float32"): _train_small(strategy, keras, kmix, d, args.accuracy_steps) for d in DTYPES}
-        results["loss"] = {n: loss for n, (loss, _) in small.items()}
-        results["loss_skipped"] = {n: skipped for n, (_, skipped) in small.items()}
+        small = {(d or "float32"): _train_small(strategy, d, args.accuracy_steps) for d in DTYPES}
+        results["loss"], results["loss_skipped"] = ({n: v[k] for n, v in small.items()} for k in (0, 1))
         print(f"losses: {results['loss']}, skipped: {results['loss_skipped']}", flush=True)
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     if index == 0:
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(results, f)
+        Path(args.out, "results.json").write_text(json.dumps(results))
     # Exits only once the other worker is done (a peer still pulling a buffer fails otherwise).
     open(os.path.join(args.out, f"done{index}"), "w").close()
     deadline = time.monotonic() + 120
@@ -138,29 +131,17 @@ def _worker(args):
         time.sleep(0.1)
 
 
-def _step_fn(model, opt, loss_of):
-    """A replica's step: the loss of a batch, scaled, its gradients applied by `opt`; returns the loss."""
-    import tensorflow as tf
-
-    def step_fn(*batch):
-        with tf.GradientTape() as tape:
-            loss = loss_of(*batch)
-            scaled = opt.scale_loss(loss)
-        opt.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
-        return loss
-
-    return step_fn
+def _step(model, opt, loss_of, *batch):
+    """A replica's step: the loss of `batch`, scaled, its gradients applied by `opt`; returns the loss."""
+    with tf.GradientTape() as tape:
+        loss = loss_of(*batch)
+        scaled = opt.scale_loss(loss)
+    opt.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
+    return loss
 
 
-def _skipped(keras, opt):
-    return int(keras.ops.convert_to_numpy(opt.skipped_steps))
-
-
-def _train_small(strategy, keras, kmix, dtype, steps):
+def _train_small(strategy, dtype, steps):
     """(held-out MSE, steps skipped) of a mixed_float16 MLP after `steps` steps of Adam reduced in `dtype`."""
-    import numpy as np
-    import tensorflow as tf
-
     rng = np.random.default_rng(0)
     w = rng.normal(size=(16, 1)).astype("float32")
     x = rng.normal(size=(4096 + 512, 16)).astype("float32")
@@ -178,24 +159,13 @@ def _train_small(strategy, keras, kmix, dtype, steps):
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     iterator = iter(strategy.experimental_distribute_dataset(train.with_options(options)))
     loss_fn = keras.losses.MeanSquaredError(reduction=None)
-    step_fn = _step_fn(model, opt, lambda xb, yb: tf.nn.compute_average_loss(loss_fn(yb, model(xb)),
-                                                                              global_batch_size=global_batch))
+    step_fn = functools.partial(_step, model, opt, lambda xb, yb: tf.nn.compute_average_loss(
+        loss_fn(yb, model(xb)), global_batch_size=global_batch))
     step = tf.function(lambda batch: strategy.run(step_fn, args=batch))
     for _ in range(steps):
         step(next(iterator))
     loss = float(np.mean((keras.ops.convert_to_numpy(model(x[4096:])).astype("float32") - y[4096:]) ** 2))
-    return loss, _skipped(keras, opt)
-
-
-def _bytes_per_step(variables, allreduce_dtype):
-    """Bytes one replica sends into the all-reduces per step: the gradients in that dtype (and float16's wire scales)."""
-    import tensorflow as tf
-
-    total = 0
-    for v in variables:
-        width = tf.as_dtype(allreduce_dtype or getattr(v.dtype, "name", v.dtype)).size
-        total += int(tf.size(v)) * width + (4 if allreduce_dtype == "float16" else 0)  # float16: one bound each
-    return total
+    return loss, int(keras.ops.convert_to_numpy(opt.skipped_steps))
 
 
 if __name__ == "__main__":

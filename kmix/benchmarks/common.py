@@ -1,50 +1,62 @@
 """What the benchmarks share: timing, rounds, arguments, errors as rows, memory figures, fresh processes."""
 
+import argparse
 import contextlib
+import ctypes
 import gc
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
 import time
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 import kmix
 from kmix._output import format_table, progress  # noqa: F401  (re-exported for the benchmarks)
+from kmix.route import facts
 
 SIZE_HELP = {"layers": "transformer blocks", "d_model": "model width", "heads": "attention heads (divide --d-model)",
              "seq": "sequence length", "vocab": "vocabulary size", "batch": "batch size",
              "image": "ResNet50 / MobileNetV2: image side in pixels (>= 32)",
-             "steps": "steps per timed (or traced) round", "rounds": "timed rounds"}
+             "steps": "steps per timed (or traced) round", "rounds": "timed rounds", "batch_size": "rows of the batch"}
 QUICK = dict(layers=1, d_model=16, heads=2, seq=16, batch=2, vocab=64, image=32, steps=2, rounds=1)
 median = statistics.median
 
 
+def bench_parser(name, doc, **kwargs):
+    """The parser of `python -m kmix bench NAME`, described by `doc`'s first line."""
+    return argparse.ArgumentParser(prog=f"python -m kmix bench {name}", description=doc.splitlines()[0], **kwargs)
+
+
+def compiled(jit_compile):
+    """`"XLA"` or `"tf.function"`."""
+    return "XLA" if jit_compile else "tf.function"
+
+
 def time_call(fn, repeats, warmup=1):
     """Runs `fn()` `warmup` times untimed, then `repeats` times; returns the seconds of each."""
-    for _ in range(warmup):
-        fn()
     times = []
-    for _ in range(repeats):
+    for _ in range(warmup + repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return times
+    return times[warmup:]
 
 
-def alternate(fns, rounds, warmup=1, after_round=None, rotate=False):
-    """`{name: [seconds, one per round]}`: each of `fns` timed once a round, in turn, so that drift hits all alike.
-
-    Each gets `warmup` untimed calls before its first round; `after_round(r, times)` is called after each
-    round; with `rotate`, each round starts one further along.
-    """
+def alternate(fns, rounds, warmup=1, after_round=None, rotate=False, before=None):
+    """`{name: [seconds, one per round]}`: each of `fns` timed once a round, in turn (`rotate`: from one further
+    on), after `warmup` untimed calls before its first round, `before(name)` before each; `after_round(r, times)`."""
     times = {name: [] for name in fns}
     for r in range(rounds):
         order = list(fns)[r % len(fns):] + list(fns)[:r % len(fns)] if rotate else list(fns)
         for name in order:
+            if before is not None:
+                before(name)
             times[name] += time_call(fns[name], 1, warmup if r == 0 else 0)
         if after_round is not None:
             after_round(r, times)
@@ -56,6 +68,12 @@ def steady(dataset):
     options = tf.data.Options()
     options.autotune.enabled = False
     return dataset.with_options(options)
+
+
+def token_batch(rng, vocab, batch, seq, low=0):
+    """`(x, next tokens)`: token ids in `[low, vocab)` and a full padding mask, as keras-hub models take them."""
+    ids = rng.integers(low, vocab, (batch, seq + 1)).astype("int32")
+    return {"token_ids": ids[:, :-1], "padding_mask": np.ones((batch, seq), "int32")}, ids[:, 1:]
 
 
 @contextlib.contextmanager
@@ -75,12 +93,15 @@ def gpu_device():
     return "GPU:0" if tf.config.list_physical_devices("GPU") else None
 
 
+def allocator_device():
+    """The device whose allocator the memory figures read: `"GPU:0"` if there is one, else `"CPU:0"`."""
+    return gpu_device() or "CPU:0"
+
+
 def device_label():
     """The first GPU's name, or `"CPU (<model>)"`."""
-    if gpu_device():
-        return tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0]).get(
-            "device_name", "GPU")
-    return f"CPU ({kmix.device.cpu_features()['model']})"
+    gpus = facts.gpus()
+    return gpus[0]["name"] if gpus else f"CPU ({kmix.device.cpu_features()['model']})"
 
 
 def recommend_here(quick=False):
@@ -122,6 +143,18 @@ def add_size_arguments(parser, **defaults):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=default, help=SIZE_HELP[name] + shown)
 
 
+def add_options(parser, **options):
+    """An option `--NAME` per keyword (`no_jit` -> `--no-jit`): a flag for a help text, else `(default, help)`."""
+    for name, option in options.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(option, str):
+            parser.add_argument(flag, action="store_true", help=option)
+        else:
+            default, text = option
+            shown = f"{default:g}" if isinstance(default, float) else default
+            parser.add_argument(flag, type=type(default), default=default, help=f"{text}; default {shown}")
+
+
 def check_sizes(parser, args, quick=QUICK):
     """Applies `quick` under `--quick`, then checks the size options; returns the model's `{name: value}`."""
     names = [n for n in SIZE_HELP if hasattr(args, n)]
@@ -147,9 +180,7 @@ def choices(parser, option, text, known):
 
 def format_bytes(n):
     """`"1.00 GiB"`, `"512.0 MiB"`; `"n/a"` for None or 0."""
-    if not n:
-        return "n/a"
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    return "n/a" if not n else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def ratio_bars(panels, path, title):
@@ -187,25 +218,42 @@ def rss(field="VmRSS"):
         return 0
 
 
-def peak_rss():
-    """This process's peak resident set since the last `reset_peak_rss`, in bytes."""
+def peak_rss(reset=False):
+    """This process's peak resident set in bytes since the last reset; `reset`: resets it to the current one."""
+    if reset:  # Linux: clear_refs 5
+        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
     return rss("VmHWM")
-
-
-def reset_peak_rss():
-    """Resets the peak resident set to the current one (Linux: `clear_refs` 5)."""
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def settled_rss():
     """The resident set once Python's garbage and malloc's free pages are returned."""
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     return rss()
+
+
+def cost_of(call):
+    """`(seconds, extra peak resident bytes, kept resident bytes)` of `call()`."""
+    base = settled_rss()
+    peak_rss(reset=True)
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start, max(0, peak_rss() - base), settled_rss() - base
+
+
+def save_plot(draw, path):
+    """`draw(path)`, its folder made first; prints and returns the path it saved."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    path = draw(path)
+    print(f"Plot saved to {os.path.abspath(path)}")
+    return path
+
+
+def host():
+    """`"<processor>, <n> cores"`."""
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
 def kept_by(call):

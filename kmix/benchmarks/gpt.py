@@ -20,10 +20,7 @@ class PositionEmbedding(keras.layers.Layer):
 
 
 def build_model(layers, d_model, heads, seq, vocab, stack, block=None, name=None):
-    """The uncompiled GPT under the current policy, with `stack`'s (`"keras"`, `"kmix"`) `MultiHeadAttention`.
-
-    `block(i, x)`, where given, adds block `i` instead of the inline pre-norm one.
-    """
+    """The uncompiled GPT under the current policy, `stack`'s attention; `block(i, x)`, if given, adds block i."""
     attention = kmix.layers.MultiHeadAttention if stack == "kmix" else keras.layers.MultiHeadAttention
     keras.utils.set_random_seed(0)
     tokens = keras.Input((seq,), dtype="int32")
@@ -34,8 +31,7 @@ def build_model(layers, d_model, heads, seq, vocab, stack, block=None, name=None
             x = block(i, x)
             continue
         h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"ln_attn{i}")(x)
-        h = attention(heads, d_model // heads, name=f"attention{i}")(h, h, use_causal_mask=True)
-        x = x + h
+        x = x + attention(heads, d_model // heads, name=f"attention{i}")(h, h, use_causal_mask=True)
         h = keras.layers.LayerNormalization(epsilon=1e-5, name=f"ln_mlp{i}")(x)
         h = keras.layers.Dense(4 * d_model, activation="gelu", name=f"mlp_in{i}")(h)
         x = x + keras.layers.Dense(d_model, name=f"mlp_out{i}")(h)
@@ -54,21 +50,7 @@ def model_flops_per_token(model, layers, d_model, seq):
     return 6 * n + 12 * layers * d_model * seq
 
 
-def compile_model(model, stack, jit_compile):
-    """Compiles with AdamW; `kmix.wrap` for the kmix stack, Keras's own wrapping otherwise."""
-    optimizer = keras.optimizers.AdamW(1e-4)
-    if stack == "kmix":
-        optimizer = kmix.wrap(optimizer)
-    model.compile(
-        optimizer=optimizer,
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        jit_compile=jit_compile,
-    )
-    return model
-
-
 def make_dataset(batch, seq, vocab):
     """One random batch of tokens and next tokens, repeated forever, as a `tf.data.Dataset`."""
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, vocab, size=(batch, seq + 1)).astype(np.int32)
+    tokens = np.random.default_rng(0).integers(0, vocab, size=(batch, seq + 1)).astype(np.int32)
     return steady(tf.data.Dataset.from_tensors((tokens[:, :-1], tokens[:, 1:])).repeat())

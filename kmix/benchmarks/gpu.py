@@ -1,12 +1,7 @@
-"""`python -m kmix bench gpu`: the checks that need a GPU, in one command, within a time budget.
-
-Sections, in order, each by its share of `--budget-s`: `tests` (`pytest -m gpu`), `routes` (the GPT training
-step on each route, alone), `memory` (`bench memory`'s configurations under XLA) and, when asked, `demo`.
-Each item prints as measured and `report.md` is rewritten after it, so a stopped run leaves what it measured.
-Exits 1 where a driver is installed but TensorFlow sees no GPU (saying why), or where a test or an item failed.
-"""
+"""`python -m kmix bench gpu`: the checks that need a GPU, in one command, within a time budget."""
 
 import argparse
+import contextlib
 import datetime
 import os
 import re
@@ -16,11 +11,11 @@ from pathlib import Path
 import keras
 import tensorflow as tf
 
-import kmix
 from kmix.benchmarks import gpu_check, gpu_routes, gpu_tests, memory
-from kmix.benchmarks.common import choices, measured, progress, quiet_tf_logs
-from kmix.benchmarks.gpu_check import NO_GPU  # noqa: F401  (re-exported)
-from kmix.benchmarks.gpu_report import ROUTE_HEADERS, Report, memory_line, route_line, route_rows  # noqa: F401
+from kmix.benchmarks.common import (add_options, bench_parser, choices, device_label, measured, progress,
+                                    quiet_tf_logs, time_call)
+from kmix.benchmarks.gpu_check import NO_GPU
+from kmix.benchmarks.gpu_report import Report, memory_line, route_line, route_rows  # noqa: F401  (route_rows: tests)
 
 ROUTES = (  # label, policy, stack ("recommended": kmix.autocast + kmix.wrap), TF32, jit_compile; the most telling first
     ("float32", "float32", "keras", True, True),
@@ -54,10 +49,10 @@ class Budget:
     """The run's `seconds`: each of `sections` ends by its deadline (by `SHARES`), each item estimated by the last."""
 
     def __init__(self, seconds, sections=DEFAULT_SECTIONS):
-        self.start, self.seconds, self.skipped, self.deadlines = time.perf_counter(), seconds, [], {}
+        self.start, self.seconds, self.skipped = time.perf_counter(), seconds, []
         ordered = [s for s in SECTIONS if s in sections]
-        for i, s in enumerate(ordered):
-            self.deadlines[s] = sum(SHARES[o] for o in ordered[:i + 1]) / sum(SHARES[o] for o in ordered)
+        self.deadlines = {s: sum(SHARES[o] for o in ordered[:i + 1]) / sum(SHARES[o] for o in ordered)
+                          for i, s in enumerate(ordered)}
 
     def left(self, section):
         """Seconds left before `section`'s deadline."""
@@ -73,19 +68,18 @@ class Budget:
         return False
 
 
-def _measure_each(section, items, budget, report, measure, name, record, line):
-    """Measures each item alone, within `section`'s time; records, prints and saves after each."""
+def _measure_each(section, items, budget, report, measure, record, line):
+    """Measures each item (named by its first field) alone, within `section`'s time; records, prints, saves."""
     estimate = 0.0
     try:
         with quiet_tf_logs():
             for i, item in enumerate(items, 1):
-                if not budget.allows(section, f"{section} {name(item)}", estimate):
+                what = f"{section} {item[0]}"
+                if not budget.allows(section, what, estimate):
                     continue
-                progress(f"[{section} {i}/{len(items)}] {name(item)}")
-                report.at(f"{section} {name(item)}")
-                started = time.perf_counter()
-                record.append(measure(item))
-                estimate = time.perf_counter() - started
+                progress(f"[{section} {i}/{len(items)}] {item[0]}")
+                report.at(what)
+                estimate = time_call(lambda: record.append(measure(item)), 1, warmup=0)[0]
                 print(line(record[-1]), flush=True)
                 report.at(None)
     finally:
@@ -94,17 +88,9 @@ def _measure_each(section, items, budget, report, measure, name, record, line):
 
 def run_routes(size, budget, report, routes=ROUTES):
     """Times each route alone (`gpu_routes.measure`) into `report.routes`; returns that list."""
-    _measure_each("routes", routes, budget, report, lambda spec: gpu_routes.measure(spec, size),
-                  lambda spec: spec[0], report.routes, route_line)
+    _measure_each("routes", routes, budget, report, lambda spec: gpu_routes.measure(spec, size), report.routes,
+                  route_line)
     return report.routes
-
-
-def run_memory(size, budget, report, names=MEMORY):
-    """`bench memory`'s configurations named in `names`, under XLA, into `report.memory`; returns that list."""
-    _measure_each("memory", [c for c in memory.CONFIGS if c[0] in names], budget, report,
-                  lambda c: measured(lambda: memory.measure(c, size, size["steps"], jit_compile=True), name=c[0]),
-                  lambda c: c[0], report.memory, memory_line)
-    return report.memory
 
 
 def run_demo(steps, budget, report, estimate):
@@ -126,30 +112,15 @@ def run_demo(steps, budget, report, estimate):
     return report.demo
 
 
-def where_it_runs():
-    """The device line of the report: the GPU, its compute capability, driver and CUDA versions."""
-    facts = gpu_check.gpu_facts()
-    if facts is None:
-        return f"CPU ({kmix.device.cpu_features()['model']}), forced with --allow-cpu"
-    driver = re.search(r"\d+\.\d+(?:\.\d+)?", gpu_check.nvidia_driver() or "")
-    build = tf.sysconfig.get_build_info()
-    return (f"{facts[0]} (compute capability {facts[1]}), driver {driver.group(0) if driver else 'unknown'}, "
-            f"CUDA {build.get('cuda_version')}, cuDNN {build.get('cudnn_version')}")
-
-
 def _parse(argv):
-    parser = argparse.ArgumentParser(prog="python -m kmix bench gpu", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join("kmix-out", "gpu"),
-                        help="folder for report.md, gpu.png and pytest.log, created if missing; default kmix-out/gpu")
-    parser.add_argument("--budget-s", type=float, default=440.0,
-                        help="seconds for the whole run (an item that would overrun is skipped); default 440")
-    parser.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
-                        help=f"comma-separated, of {', '.join(SECTIONS)}; default {','.join(DEFAULT_SECTIONS)}")
+    parser = bench_parser("gpu", __doc__)
+    add_options(parser, out=(os.path.join("kmix-out", "gpu"), "folder for report.md, gpu.png and pytest.log"),
+                budget_s=(440.0, "seconds for the whole run (an item that would overrun is skipped)"),
+                sections=(",".join(DEFAULT_SECTIONS), f"comma-separated, of {', '.join(SECTIONS)}"))
     parser.add_argument("--routes", default=None, metavar="LABELS",
                         help="comma-separated route labels to time (default: all, or two with --quick): "
                         + ", ".join(r[0] for r in ROUTES))
-    parser.add_argument("--quick", action="store_true",
-                        help="tiny sizes, two routes and two memory rows (a smoke test)")
+    add_options(parser, quick="tiny sizes, two routes and two memory rows (a smoke test)")
     parser.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # for kmix's own tests
     args = parser.parse_args(argv)
     args.sections = choices(parser, "--sections", args.sections, SECTIONS)
@@ -169,34 +140,32 @@ def refuse_without_a_gpu(out):
         return
     message = gpu_check.why_no_gpu(driver)
     print(message, flush=True)
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "report.md"), "w", encoding="utf-8") as f:
-        f.write(f"## Not measured: no GPU seen, {datetime.date.today().isoformat()}\n\n{message}\n")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "report.md").write_text(f"## Not measured: no GPU seen, {datetime.date.today().isoformat()}\n\n"
+                                         f"{message}\n", encoding="utf-8")
     raise SystemExit(1)
 
 
 def main(argv=None):
-    """Runs the GPU checks and writes the report; without a GPU, says so (exit status 1 where a driver is).
-
-    Returns:
-        None without a GPU; else `{"routes", "memory", "demo", "tests", "skipped", "report", "plot"}`.
-        Raises `SystemExit(1)` after writing the report when something failed.
-
-    Example:
-        >>> from kmix.benchmarks import gpu
-        >>> out = gpu.main([])  # on a GPU machine: kmix-out/gpu/report.md, gpu.png and pytest.log
-    """
+    """Runs the GPU checks and writes the report; returns its figures (None without a GPU), exits 1 on a failure."""
     args = _parse(argv)
     if not tf.config.list_physical_devices("GPU") and not args.allow_cpu:
         return refuse_without_a_gpu(args.out)
-    gpu_check.grow_gpu_memory()  # before anything starts the GPU: the tests' subprocess needs memory too
-    if gpu_check.gpu_facts() is None:
+    for device in tf.config.list_physical_devices("GPU"):  # memory growth: the tests' subprocess needs some too
+        with contextlib.suppress(RuntimeError):  # initialised already: its setting stays
+            tf.config.experimental.set_memory_growth(device, True)
+    facts, build = gpu_check.gpu_facts(), tf.sysconfig.get_build_info()
+    if facts is None:
         memory.use_a_cpu_allocator_with_statistics()
-    sizes = SIZES["quick" if args.quick else "full"]
-    budget = Budget(args.budget_s, args.sections)
-    header = f"{where_it_runs()}, {datetime.date.today().isoformat()}"
+        where = f"{device_label()}, forced with --allow-cpu"
+    else:  # the GPU, its compute capability, driver and CUDA versions
+        driver = re.search(r"\d+\.\d+(?:\.\d+)?", gpu_check.nvidia_driver() or "")
+        where = (f"{facts[0]} (compute capability {facts[1]}), driver {driver.group(0) if driver else 'unknown'}, "
+                 f"CUDA {build.get('cuda_version')}, cuDNN {build.get('cudnn_version')}")
+    sizes, budget = SIZES["quick" if args.quick else "full"], Budget(args.budget_s, args.sections)
+    header = f"{where}, {datetime.date.today().isoformat()}"
     report = Report(args.out, header, sizes)
-    report.skipped = budget.skipped
+    report.skipped = budget.skipped  # the same list: the budget records there
     progress(f"bench gpu on {header}; budget {args.budget_s:.0f} s; sections {', '.join(budget.deadlines)}")
     report.save()
     if "tests" in args.sections:
@@ -207,8 +176,11 @@ def main(argv=None):
     if "routes" in args.sections:
         run_routes(sizes["routes"], budget, report, [r for r in ROUTES if r[0] in args.routes])
         report.save(plot=True)
-    if "memory" in args.sections:
-        run_memory(sizes["memory"], budget, report, ("float32", "O1 bfloat16") if args.quick else MEMORY)
+    if "memory" in args.sections:  # bench memory's configurations, under XLA
+        names, size = ("float32", "O1 bfloat16") if args.quick else MEMORY, sizes["memory"]
+        _measure_each("memory", [c for c in memory.CONFIGS if c[0] in names], budget, report,
+                      lambda c: measured(lambda: memory.measure(c, size, size["steps"], jit_compile=True), name=c[0]),
+                      report.memory, memory_line)
     if "demo" in args.sections and "tests" in args.sections:
         report.notes.append("the demo section did not run: tests/test_on_gpu.py::test_demo_on_the_gpu runs the demo")
     elif "demo" in args.sections:

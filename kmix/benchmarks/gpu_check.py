@@ -1,7 +1,4 @@
-"""Whether `bench gpu` has a GPU to measure and, where a driver is installed but none is seen, why.
-
-`why_no_gpu` asks TensorFlow again in a fresh process with every log level on and keeps its lines about CUDA.
-"""
+"""Whether `bench gpu` has a GPU to measure and, where a driver is installed but none is seen, why."""
 
 import importlib.metadata
 import os
@@ -11,50 +8,33 @@ import sys
 import tensorflow as tf
 
 from kmix._startup import nvidia_driver, says_why_no_gpu  # noqa: F401  (re-exported)
+from kmix.route import facts
 
 NO_GPU = ("No GPU is visible to TensorFlow and no NVIDIA driver is installed, so `python -m kmix bench gpu` "
           "has nothing to measure here (it runs the checks that need a GPU). `python -m kmix doctor` "
           "describes this machine.")
 FIX = ('`pip install ".[gpu]"` (tensorflow[and-cuda]: the CUDA runtime and cuDNN TensorFlow was built '
        "against), then run `python -m kmix bench gpu` again.")
-_LOOK_FOR_GPUS = "import tensorflow as tf; print('GPUs seen:', len(tf.config.list_physical_devices('GPU')))"
 
 
 def gpu_facts():
     """`(name, compute capability)` of the first GPU, or None without one."""
-    gpus = tf.config.list_physical_devices("GPU")
+    gpus = facts.gpus()
     if not gpus:
         return None
-    details = tf.config.experimental.get_device_details(gpus[0])
-    cc = details.get("compute_capability")
-    return details.get("device_name", "GPU"), (f"{cc[0]}.{cc[1]}" if cc else "unknown")
-
-
-def grow_gpu_memory():
-    """Lets TensorFlow take GPU memory as it needs it, so that the tests' subprocess finds some."""
-    for gpu in tf.config.list_physical_devices("GPU"):
-        try:
-            tf.config.experimental.set_memory_growth(gpu, True)
-        except RuntimeError:  # the GPU was initialised already: its setting stays
-            pass
+    cc = gpus[0]["compute_capability"]
+    return gpus[0]["name"], (f"{cc[0]}.{cc[1]}" if cc else "unknown")
 
 
 def tensorflow_gpu_log(timeout=180):
     """What a fresh TensorFlow logs while it looks for GPUs, every log level on (stdout and stderr)."""
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "0"}
+    look = "import tensorflow as tf; print('GPUs seen:', len(tf.config.list_physical_devices('GPU')))"
     try:
-        done = subprocess.run([sys.executable, "-c", _LOOK_FOR_GPUS], env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        done = subprocess.run([sys.executable, "-c", look], env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "0"},
+                              capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return f"(TensorFlow did not finish looking for GPUs within {timeout} s)"
     return done.stderr + done.stdout
-
-
-def cuda_packages():
-    """The installed `nvidia-*` pip packages (`tensorflow[and-cuda]` brings them), as `"name version"`."""
-    found = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()
-             if (d.metadata["Name"] or "").lower().startswith("nvidia-")}
-    return [f"{name} {version}" for name, version in sorted(found.items())]
 
 
 def why_no_gpu(driver, log=None):
@@ -63,13 +43,12 @@ def why_no_gpu(driver, log=None):
     build = tf.sysconfig.get_build_info()
     built = (f"built with CUDA {build.get('cuda_version')} and cuDNN {build.get('cudnn_version')}"
              if build.get("is_cuda_build") else "built without CUDA (no GPU support in this TensorFlow)")
-    packages = cuda_packages()
+    packages = sorted({f"{d.metadata['Name']} {d.version}" for d in importlib.metadata.distributions()
+                       if (d.metadata["Name"] or "").lower().startswith("nvidia-")})  # tensorflow[and-cuda]'s
     reasons = [line.rstrip() for line in log.splitlines() if says_why_no_gpu(line)]
-    lines = [f"An NVIDIA driver is installed ({driver}) but TensorFlow {tf.__version__} sees no GPU, so "
-             "nothing was measured.",
-             f"- TensorFlow: {built}.",
-             "- CUDA pip packages: " + (", ".join(packages) if packages
-                                        else "none (tensorflow[and-cuda] brings nvidia-cudnn-cu12 and the rest)."),
+    none = "none (tensorflow[and-cuda] brings nvidia-cudnn-cu12 and the rest)."
+    lines = [f"An NVIDIA driver is installed ({driver}) but TensorFlow {tf.__version__} sees no GPU, so nothing was "
+             "measured.", f"- TensorFlow: {built}.", f"- CUDA pip packages: {', '.join(packages) or none}",
              "- TensorFlow's reason, as it logs it (TF_CPP_MIN_LOG_LEVEL=0) while it looks for GPUs:"]
     lines += [f"    {line}" for line in reasons[-25:]] or ["    (no line about CUDA or a GPU; its whole log:)"] + [
         f"    {line}" for line in log.strip().splitlines()[-15:]]

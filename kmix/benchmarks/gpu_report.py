@@ -65,21 +65,13 @@ def memory_line(r):
 
 
 class Report:
-    """What `bench gpu` has measured so far, written to `report.md` in `out` by `save`.
-
-    Args:
-        out: the folder, created if missing.
-        header: where and when (`"NVIDIA H100 (compute capability 9.0), 2026-12-01"`).
-        sizes: `{"routes": ..., "memory": ...}`, the models' sizes.
-    """
+    """What `bench gpu` has measured so far, written to `out`/report.md by `save`."""
 
     def __init__(self, out, header, sizes):
-        self.out, self.header, self.sizes = Path(out), header, sizes
-        self.routes, self.memory, self.tests, self.demo = [], [], None, None
-        self.skipped, self.notes = [], []
+        self.out, self.header, self.sizes, self.path = Path(out), header, sizes, str(Path(out) / "report.md")
+        self.routes, self.memory, self.tests, self.demo, self.skipped, self.notes = [], [], None, None, [], []
         self.running, self.seconds = None, None  # what runs now; the run's seconds once it ended
         self.start = time.perf_counter()
-        self.path = str(self.out / "report.md")
 
     def at(self, running):
         """Records what runs now (None: nothing) and saves."""
@@ -99,9 +91,8 @@ class Report:
         elapsed = time.perf_counter() - self.start
         state = (f"{self.seconds:.0f} s in all" if self.seconds is not None else
                  f"**still running** after {elapsed:.0f} s, at: {self.running or 'between items'}")
-        md = [f"## Measured: {self.header}", "",
-              f"`python -m kmix bench gpu`, {state}. TensorFlow {tf.__version__}, Keras {keras.__version__}, "
-              f"kmix {kmix.__version__}.", ""]
+        md = [f"## Measured: {self.header}", "", f"`python -m kmix bench gpu`, {state}. TensorFlow {tf.__version__}, "
+              f"Keras {keras.__version__}, kmix {kmix.__version__}.", ""]
         md += self._tests() + self._routes() + self._memory() + self._demo()
         if self.notes:
             md += ["### Notes", ""] + [f"- {n}" for n in self.notes] + [""]
@@ -110,8 +101,7 @@ class Report:
         return "\n".join(md)
 
     def _tests(self):
-        md = ["### Tests marked gpu", ""]
-        t = self.tests
+        md, t = ["### Tests marked gpu", ""], self.tests
         if t is None:
             return md + ["not run", ""]
         command = " ".join(["pytest", *t["command"][3:]]) if t["command"] else "pytest -m gpu"
@@ -126,50 +116,43 @@ class Report:
         return md
 
     def _routes(self):
-        md = ["### Training step, every route", ""]
-        if not self.routes:
-            return md + ["not run", ""]
         s = self.sizes["routes"]
-        md += [f"`bench train`'s GPT: {s['layers']} layers, d_model {s['d_model']}, {s['heads']} heads, seq "
-               f"{s['seq']}, batch {s['batch']}, vocab {s['vocab']}; AdamW; each route alone, the median of "
-               f"{s['rounds']} rounds, each of enough steps to last about {s['round_s']:g} s (`steps/round`). "
-               "`spread`: the rounds' interquartile range over their median; `fit overhead`: `fit`'s fixed cost "
-               "(iterator, callbacks, the sync at its end) as a share of a round, from a one-step `fit`; `peak "
-               "mem`: the allocator's peak over the rounds, its statistics reset after the compile; `skipped`: "
-               "steps that did not advance `optimizer.iterations`; `final scale`: the dynamic loss scale at the "
-               "end. Ratios against Keras float32 under XLA with TF32 on (TensorFlow's default), the last column "
-               "against it with TF32 off; kmix.autocast rows: `kmix.autocast(model, policy)` + `kmix.wrap` in "
-               "`kmix.policy_scope(policy)` (`kmix float32`: kmix's own cost at float32).", "",
-               markdown_table(ROUTE_HEADERS, route_rows(self.routes)), ""]
-        md += [f"- {r['label']} failed: `{r['error']}`" for r in self.routes if "error" in r]
-        return md + ([""] if any("error" in r for r in self.routes) else [])
+        return _section("### Training step, every route", self.routes, "label", (
+            f"`bench train`'s GPT: {s['layers']} layers, d_model {s['d_model']}, {s['heads']} heads, seq "
+            f"{s['seq']}, batch {s['batch']}, vocab {s['vocab']}; AdamW; each route alone, the median of "
+            f"{s['rounds']} rounds, each of enough steps to last about {s['round_s']:g} s (`steps/round`). Ratios "
+            "against Keras float32 under XLA with TF32 on (TensorFlow's default), the last column against it with "
+            "TF32 off; kmix.autocast rows: `kmix.autocast(model, policy)` + `kmix.wrap` in "
+            "`kmix.policy_scope(policy)`. The columns: docs/benchmarks.md, \"GPU: `python -m kmix bench gpu`\"."),
+            markdown_table(ROUTE_HEADERS, route_rows(self.routes)))
 
     def _memory(self):
-        md = ["### Memory: float32, O1 and O2 under XLA", ""]
-        done = [r for r in self.memory if "error" not in r]
-        if not self.memory:
-            return md + ["not run", ""]
-        s = self.sizes["memory"]
-        md += [f"`bench memory`'s GPT: {s['layers']} blocks, d_model {s['d_model']}, seq {s['seq']}, batch "
-               f"{s['batch']}, vocab {s['vocab']}; AdamW; peak over one optimizer step, state between steps.", ""]
-        if done:
-            md += [markdown_table(memory.HEADERS, memory.format_rows(done)), ""]
-        md += [f"- {r['name']} failed: `{r['error']}`" for r in self.memory if "error" in r]
-        return md + ([""] if len(done) < len(self.memory) else [])
+        s, done = self.sizes["memory"], [r for r in self.memory if "error" not in r]
+        return _section("### Memory: float32, O1 and O2 under XLA", self.memory, "name", (
+            f"`bench memory`'s GPT: {s['layers']} blocks, d_model {s['d_model']}, seq {s['seq']}, batch "
+            f"{s['batch']}, vocab {s['vocab']}; AdamW; peak over one optimizer step, state between steps."),
+            done and markdown_table(memory.HEADERS, memory.format_rows(done)))
 
     def _demo(self):
         if self.demo is None:
             return []
         from kmix.demo.report import results_table
 
-        runs = {k: v for k, v in self.demo.items() if k != "plot"}
-        return ["### The float16 NaN demo", "", markdown_table(*results_table(runs, "mixed_float16")), ""]
+        table = results_table({k: v for k, v in self.demo.items() if k != "plot"}, "mixed_float16")
+        return ["### The float16 NaN demo", "", markdown_table(*table), ""]
+
+
+def _section(title, rows, key, intro, table):
+    """A report section: `intro`, `table` (if any) and each failed row; "not run" without rows."""
+    if not rows:
+        return [title, "", "not run", ""]
+    failed = [f"- {r[key]} failed: `{r['error']}`" for r in rows if "error" in r]
+    return [title, "", intro, ""] + ([table, ""] if table else []) + failed + ([""] if failed else [])
 
 
 def draw(routes, mem, path, title):
     """Saves speed (routes) and peak memory (memory rows) against float32 as a PNG; returns its path."""
-    routes = [r for r in routes if "error" not in r]
-    mem = [r for r in mem if "error" not in r]
+    routes, mem = ([r for r in rows if "error" not in r] for rows in (routes, mem))
     return ratio_bars([([r["label"] for r in routes], [row[SPEED] for row in route_rows(routes)],
                         "training step speed / Keras float32 (XLA, TF32 on)"),
                        ([r["name"] for r in mem], [row[5] for row in memory.format_rows(mem)],

@@ -1,8 +1,6 @@
-"""`bench gpu`'s tests section: `pytest -m gpu` in a subprocess, verbose and unbuffered into `pytest.log`.
+"""`bench gpu`'s tests section: `pytest -m gpu` in a subprocess, verbose and unbuffered into `pytest.log`."""
 
-Each test's name is in the log when it starts: a run stopped by the budget still says which test was running.
-"""
-
+import collections
 import contextlib
 import importlib.util
 import os
@@ -29,12 +27,6 @@ def gpu_test_files(root):
                   if _MARKED.search(p.read_text(encoding="utf-8")))
 
 
-def tests_root():
-    """The `tests` folder of the clone kmix runs from (or of the working directory), or None."""
-    return next((root for root in (Path(kmix.__file__).resolve().parents[1] / "tests", Path.cwd() / "tests")
-                 if root.is_dir()), None)
-
-
 def pytest_installed():
     """Whether pytest can be imported here (`pip install .` does not bring it)."""
     return importlib.util.find_spec("pytest") is not None
@@ -47,15 +39,12 @@ def not_run(why, command=None):
 
 
 def run_tests(seconds, out, root=None):
-    """`pytest -m gpu` on the files under `root` that hold such tests, in a subprocess, for at most `seconds`.
-
-    Returns:
-        `command`, `summary` (pytest's last line, or why nothing ran), `returncode` (None if not run or
-        stopped), `tail`, `log` (`out/pytest.log`), `outcomes` (`[(test, outcome, seconds)]`), `running`.
-    """
+    """`pytest -m gpu` on the files under `root` that hold such tests, in a subprocess, for at most `seconds`:
+    `{"command", "summary", "returncode" (None: not run, stopped), "tail", "log", "outcomes", "running"}`."""
     if not pytest_installed():
         return not_run('pytest is not installed: `pip install ".[gpu]"` (or ".[test]") brings it')
-    root = Path(root) if root else tests_root()
+    clone = Path(kmix.__file__).resolve().parents[1] / "tests"  # the tests of the clone kmix runs from
+    root = Path(root) if root else next((r for r in (clone, Path.cwd() / "tests") if r.is_dir()), None)
     if root is None:
         return not_run("no tests folder (run from a clone of kmix)")
     files = gpu_test_files(root)
@@ -81,25 +70,20 @@ def run_tests(seconds, out, root=None):
     output = log.read_text(encoding="utf-8", errors="replace")
     summary = f"stopped after {seconds:.0f} s (the budget)" if stopped else pytest_summary(output)
     return {"command": command, "summary": summary or "no summary line", "returncode": returncode,
-            "tail": tail(output), "log": str(log), "outcomes": outcomes(output),
+            "tail": "\n".join(output.strip().splitlines()[-15:]), "log": str(log), "outcomes": outcomes(output),
             "running": running_test(output) if stopped else None}
 
 
 @contextlib.contextmanager
 def _terminate_as_exit():
     """Inside the block, SIGTERM raises `SystemExit`, so that `finally` blocks run (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def exit_(signum, frame):
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, exit_)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum)) if main else None
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def pytest_summary(output):
@@ -116,13 +100,10 @@ def pytest_summary(output):
 
 def outcomes(output):
     """`[(test, outcome, seconds)]` from a verbose pytest log; seconds from `--durations` (None without)."""
-    seconds = {}
-    for line in output.splitlines():
-        match = _DURATION.match(line)
-        if match:
-            seconds[match["test"]] = seconds.get(match["test"], 0.0) + float(match["seconds"])
-    found = [_OUTCOME.match(line) for line in output.splitlines()]
-    return [(m["test"], m["outcome"], seconds.get(m["test"])) for m in found if m]
+    seconds = collections.defaultdict(float)
+    for m in filter(None, map(_DURATION.match, output.splitlines())):
+        seconds[m["test"]] += float(m["seconds"])
+    return [(m["test"], m["outcome"], seconds.get(m["test"])) for m in map(_OUTCOME.match, output.splitlines()) if m]
 
 
 def running_test(output):
@@ -135,7 +116,3 @@ def running_test(output):
             return match["test"]
     return None
 
-
-def tail(text, lines=15):
-    """The last `lines` lines of `text`."""
-    return "\n".join(text.strip().splitlines()[-lines:])

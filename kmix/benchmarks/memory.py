@@ -1,11 +1,5 @@
-"""`python -m kmix bench memory`: what each memory lever saves on a GPT-style model.
+"""`python -m kmix bench memory`: what each memory lever saves on a GPT-style model."""
 
-One row per configuration (`CONFIGS`: float32, O1 in float16 and bfloat16, accumulation, `Remat`, O2 with
-master weights or Kahan), each alone: the allocator's peak over one optimizer step, what stays allocated
-between steps and `kmix.memory_report`'s prediction of it, the step time and the last loss.
-"""
-
-import argparse
 import gc
 import os
 import time
@@ -16,8 +10,9 @@ import tensorflow as tf
 
 import kmix
 from kmix import _compat
-from kmix.benchmarks.common import (add_size_arguments, check_sizes, format_table, fresh_session, gpu_device, median,
-                                    progress, quiet_tf_logs, ratio_bars, time_call)
+from kmix.benchmarks.common import (add_options, add_size_arguments, allocator_device, bench_parser, check_sizes,
+                                    compiled, format_table, fresh_session, median, progress, quiet_tf_logs,
+                                    ratio_bars, save_plot, time_call)
 from kmix.benchmarks import gpt
 
 CONFIGS = (
@@ -55,16 +50,6 @@ class Block(keras.layers.Layer):
         return {**super().get_config(), "d_model": self.d_model, "heads": self.heads}
 
 
-def build_model(layers, d_model, heads, seq, vocab, remat):
-    """The GPT-style model of `bench train`, with each block one `Block` layer (wrapped if `remat`)."""
-
-    def block(i, x):
-        layer = Block(d_model, heads, name=f"block{i}")
-        return (kmix.layers.Remat(layer, name=f"remat{i}") if remat else layer)(x)
-
-    return gpt.build_model(layers, d_model, heads, seq, vocab, "kmix", block=block, name="gpt_blocks")
-
-
 def use_a_cpu_allocator_with_statistics():
     """Makes TensorFlow's CPU allocator keep the statistics `measure` reads (BFC: before the first op); which."""
     if _compat.onednn_enabled():
@@ -73,27 +58,25 @@ def use_a_cpu_allocator_with_statistics():
     return "BFC (every tensor, chunks rounded up)"
 
 
-def device_name():
-    """The device whose allocator is measured: `"GPU:0"` if there is one, else `"CPU:0"`."""
-    return gpu_device() or "CPU:0"
-
-
 def measure(config, size, steps, jit_compile):
     """Builds, trains and measures one configuration alone; returns its figures as a dict."""
     name, policy, half, accumulation, remat, master_weights = config
     fresh_session()
-    device = device_name()
-    spec = kmix.Policy(policy, half=half) if half else kmix.Policy(policy)
+    device, spec = allocator_device(), kmix.Policy(policy, half=half)
     try:
         baseline = tf.config.experimental.get_memory_info(device)["current"]
     except ValueError as e:  # TensorFlow started before use_a_cpu_allocator_with_statistics
-        raise RuntimeError(
-            f"TensorFlow's allocator on {device} keeps no statistics ({e}). Run the benchmark in a "
-            "new process (`python -m kmix bench memory`), or set TF_CPU_ALLOCATOR_USE_BFC=true (or "
-            "TF_ENABLE_ONEDNN_OPTS=1) in the environment before Python starts."
-        ) from None
+        raise RuntimeError(f"TensorFlow's allocator on {device} keeps no statistics ({e}). Run the benchmark in a new "
+                           "process (`python -m kmix bench memory`), or set TF_CPU_ALLOCATOR_USE_BFC=true (or "
+                           "TF_ENABLE_ONEDNN_OPTS=1) in the environment before Python starts.") from None
+
+    def block(i, x):  # `bench train`'s GPT, each block one `Block` layer (wrapped if `remat`)
+        layer = Block(size["d_model"], size["heads"], name=f"block{i}")
+        return (kmix.layers.Remat(layer, name=f"remat{i}") if remat else layer)(x)
+
     with tf.device(device), kmix.policy_scope(spec):
-        model = build_model(size["layers"], size["d_model"], size["heads"], size["seq"], size["vocab"], remat)
+        model = gpt.build_model(size["layers"], size["d_model"], size["heads"], size["seq"], size["vocab"], "kmix",
+                                block=block, name="gpt_blocks")
         # beta_2 = 0.99: Keras's default 0.999 is 1.0 in bfloat16, where the "kahan" row's
         # Adam computes (see `kmix.LossScaleOptimizer`); the same for every row.
         optimizer = keras.optimizers.AdamW(1e-4, beta_2=0.99)
@@ -101,11 +84,8 @@ def measure(config, size, steps, jit_compile):
             optimizer = kmix.wrap(optimizer, master_weights=master_weights, accumulation_steps=accumulation)
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       jit_compile=jit_compile)
-        rng = np.random.default_rng(0)
-        tokens = rng.integers(0, size["vocab"], size=(size["batch"], size["seq"] + 1)).astype(np.int32)
-        micro = size["batch"] // accumulation
-        batches = [(tf.constant(part[:, :-1]), tf.constant(part[:, 1:]))
-                   for part in (tokens[i * micro:(i + 1) * micro] for i in range(accumulation))]
+        tokens = np.random.default_rng(0).integers(0, size["vocab"], (size["batch"], size["seq"] + 1)).astype(np.int32)
+        batches = [(tf.constant(part[:, :-1]), tf.constant(part[:, 1:])) for part in np.split(tokens, accumulation)]
         losses = []
 
         def step():  # one optimizer step: `accumulation` micro-batches
@@ -120,18 +100,13 @@ def measure(config, size, steps, jit_compile):
         step()
         peak = tf.config.experimental.get_memory_info(device)["peak"] - baseline
         seconds = median(time_call(step, repeats=steps, warmup=0))
-    report = predicted_state(model, spec, master_weights, accumulation)
-    del model, optimizer
-    return {"name": name, "peak_bytes": peak, "state_bytes": state, "report_state_bytes": report,
-            "step_seconds": seconds, "loss": losses[-1]}
-
-
-def predicted_state(model, spec, master_weights, accumulation):
-    """What `kmix.memory_report` says stays allocated between steps: params, masters, slots, accumulators."""
     report = kmix.memory_report(model, spec, "adamw", master_weights=master_weights)
-    row = next(iter(report.values()))
-    accumulators = 4 * report.num_params if accumulation > 1 else 0
-    return row["params"] + row["master_weights"] + row["optimizer_slots"] + accumulators
+    row = next(iter(report.values()))  # what stays allocated between steps: params, masters, slots, accumulators
+    predicted = (row["params"] + row["master_weights"] + row["optimizer_slots"]
+                 + (4 * report.num_params if accumulation > 1 else 0))
+    del model, optimizer
+    return {"name": name, "peak_bytes": peak, "state_bytes": state, "report_state_bytes": predicted,
+            "step_seconds": seconds, "loss": losses[-1]}
 
 
 def format_rows(results):
@@ -155,29 +130,21 @@ def plot(results, path, title):
 
 
 def main(argv=None):
-    """Prints the memory table and saves the bar chart; returns `{"results", "rows", "plot"}`.
-
-    Example:
-        >>> from kmix.benchmarks import memory
-        >>> out = memory.main(["--quick", "--no-plot"])
-    """
-    parser = argparse.ArgumentParser(
-        prog="python -m kmix bench memory", description=__doc__.splitlines()[0],
-        epilog="The defaults keep every weight and activation above the 256 KiB below which a CPU's "
-        "allocator statistics (oneDNN's) see nothing, and take about 10 minutes on 2 CPU cores. "
-        "On a GPU try --layers 8 --batch 16.")
+    """Prints the memory table and saves the bar chart; returns `{"results", "rows", "plot"}`."""
+    parser = bench_parser("memory", __doc__, epilog="The defaults keep every weight and activation above the "
+                          "256 KiB below which a CPU's allocator statistics (oneDNN's) see nothing, and take about "
+                          "10 minutes on 2 CPU cores. On a GPU try --layers 8 --batch 16.")
     add_size_arguments(parser, layers=4, d_model=512, heads=8, seq=512, batch=4, vocab=512, steps=3)
-    parser.add_argument("--jit", action="store_true", help="compile the step with XLA")
+    add_options(parser, jit="compile the step with XLA")
     parser.add_argument("--plot", default=os.path.join("kmix-out", "bench_memory.png"), metavar="PATH",
                         help="where to save the PNG; default kmix-out/bench_memory.png")
-    parser.add_argument("--no-plot", action="store_true", help="do not save a PNG")
-    parser.add_argument("--quick", action="store_true",
-                        help="a smoke test: 1 layer, width 64, seq 16, batch 8, vocab 4096")
+    add_options(parser, no_plot="do not save a PNG",
+                quick="a smoke test: 1 layer, width 64, seq 16, batch 8, vocab 4096")
     args = parser.parse_args(argv)
     size = check_sizes(parser, args, dict(layers=1, d_model=64, heads=2, seq=16, batch=8, vocab=4096, steps=1))
     if args.batch % 2:
         parser.error(f"--batch must be even (accumulation halves it); received {args.batch}")
-    device = device_name()
+    device = allocator_device()
     allocator = use_a_cpu_allocator_with_statistics() if device.startswith("CPU") else None
     start = time.perf_counter()
     results = []
@@ -186,22 +153,15 @@ def main(argv=None):
             progress(f"[{i}/{len(CONFIGS)}] {config[0]}")
             results.append(measure(config, size, args.steps, args.jit))
     title = (f"GPT-style model on {device}: {args.layers} blocks, d_model {args.d_model}, {args.heads} heads, "
-             f"seq {args.seq}, batch {args.batch}, vocab {args.vocab}, AdamW, "
-             f"{'XLA' if args.jit else 'tf.function'}")
-    print(title)
+             f"seq {args.seq}, batch {args.batch}, vocab {args.vocab}, AdamW, {compiled(args.jit)}")
     rows = format_rows(results)
-    print(format_table(HEADERS, rows))
+    print(f"{title}\n{format_table(HEADERS, rows)}")
     print("peak: allocator peak over one optimizer step (weights and optimizer state included); state: "
           "allocated between steps; state (report): kmix.memory_report's prediction of it.")
     if device.startswith("CPU"):
-        print(f"CPU allocator: {allocator}.")
-        print("On a CPU the time ratios follow its kernels (bfloat16 runs fast through oneDNN where "
-              "AVX512_BF16 / AMX-BF16 exist, float16 as a tf.function does not): they say nothing "
-              "about a GPU.")
-    path = None
-    if not args.no_plot:
-        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
-        path = plot(results, args.plot, title)
-        print(f"Plot saved to {os.path.abspath(path)}")
+        print(f"CPU allocator: {allocator}.\nOn a CPU the time ratios follow its kernels (bfloat16 runs fast through "
+              "oneDNN where AVX512_BF16 / AMX-BF16 exist, float16 as a tf.function does not): they say nothing about "
+              "a GPU.")
+    path = None if args.no_plot else save_plot(lambda p: plot(results, p, title), args.plot)
     progress(f"done in {time.perf_counter() - start:.0f} s")
     return {"results": results, "rows": rows, "plot": path}

@@ -1,17 +1,11 @@
-"""`python -m kmix bench overhead`: step time of kmix against Keras's LossScaleOptimizer.
-
-A compiled model of many small variables shows the per-variable work of loss scaling; runs alternate
-between the two, the ratio is that of each one's fastest round, and a last row times `optimizer.apply` alone.
-"""
-
-import argparse
+"""`python -m kmix bench overhead`: step time of kmix against Keras's LossScaleOptimizer."""
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 import kmix
-from kmix.benchmarks.common import alternate, format_table, median, progress
+from kmix.benchmarks.common import add_options, alternate, bench_parser, compiled, format_table, median, progress
 
 
 def build_and_compile(kind, layers, width, jit_compile, seed=0, batchnorm=False, restore=True):
@@ -19,8 +13,7 @@ def build_and_compile(kind, layers, width, jit_compile, seed=0, batchnorm=False,
     keras.utils.set_random_seed(seed)
     stack = [keras.Input((width,))]
     for _ in range(layers):
-        stack += [keras.layers.Dense(width, activation="relu")]
-        stack += [keras.layers.BatchNormalization()] if batchnorm else []
+        stack += [keras.layers.Dense(width, activation="relu")] + [keras.layers.BatchNormalization()] * batchnorm
     model = keras.Sequential(stack + [keras.layers.Dense(1, dtype="float32")])
     inner = keras.optimizers.Adam(1e-4)
     # Keras's own Adam arithmetic in both (not kmix's fused kernel): what is timed is the
@@ -31,8 +24,7 @@ def build_and_compile(kind, layers, width, jit_compile, seed=0, batchnorm=False,
     return model
 
 
-def measure(layers=64, width=16, batch=32, steps=200, rounds=5, jit_compile=False, batchnorm=False,
-            restore=True):
+def measure(layers=64, width=16, batch=32, steps=200, rounds=5, jit_compile=False, batchnorm=False, restore=True):
     """`({kind: [seconds per step, one per round]}, whether both ended with bit-identical weights)`."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch * steps, width)).astype("float32")
@@ -40,18 +32,12 @@ def measure(layers=64, width=16, batch=32, steps=200, rounds=5, jit_compile=Fals
     with kmix.policy_scope("mixed_float16"):
         models = {kind: build_and_compile(kind, layers, width, jit_compile, batchnorm=batchnorm, restore=restore)
                   for kind in ("keras", "kmix")}
-
-    def report(r, times):
-        progress(f"round {r + 1}/{rounds}: keras {times['keras'][-1] / steps * 1e3:.3f} ms/step, "
-                 f"kmix {times['kmix'][-1] / steps * 1e3:.3f} ms/step")
-
     fits = {kind: (lambda m=model: m.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0))
             for kind, model in models.items()}
-    times = alternate(fits, rounds, after_round=report)
-    per_step = {kind: [t / steps for t in seconds] for kind, seconds in times.items()}
-    weights = [model.get_weights() for model in models.values()]
-    same_weights = all(np.array_equal(a, b) for a, b in zip(*weights))
-    return per_step, same_weights
+    times = alternate(fits, rounds, after_round=lambda r, t: progress(f"round {r + 1}/{rounds}: " + ", ".join(
+        f"{kind} {t[kind][-1] / steps * 1e3:.3f} ms/step" for kind in ("keras", "kmix"))))
+    same_weights = all(np.array_equal(a, b) for a, b in zip(*(m.get_weights() for m in models.values())))
+    return {kind: [t / steps for t in seconds] for kind, seconds in times.items()}, same_weights
 
 
 def measure_apply(layers=64, width=16, steps=200, rounds=5):
@@ -59,7 +45,7 @@ def measure_apply(layers=64, width=16, steps=200, rounds=5):
     shapes = [(width, width), (width,)] * layers + [(width, 1), (1,)]
     variables = [keras.Variable(np.ones(s, np.float32)) for s in shapes]
     grads = [tf.ones(s) for s in shapes]
-    applies = {}
+    loops = {}
     for kind in ("keras", "kmix"):
         inner = keras.optimizers.Adam(1e-4)
         opt = (keras.optimizers.LossScaleOptimizer(inner) if kind == "keras"
@@ -67,28 +53,23 @@ def measure_apply(layers=64, width=16, steps=200, rounds=5):
         opt.build(variables)
         # The gradients stand for those of a scaled loss; kmix is told so (no scale_loss here).
         extra = {"scaled": True} if kind == "kmix" else {}
-        applies[kind] = tf.function(lambda opt=opt, extra=extra: opt.apply(grads, variables, **extra))
-    loops = {kind: (lambda fn=fn: [fn() for _ in range(steps)]) for kind, fn in applies.items()}
+        apply = tf.function(lambda opt=opt, extra=extra: opt.apply(grads, variables, **extra))
+        loops[kind] = lambda apply=apply: [apply() for _ in range(steps)]
     return {kind: [t / steps for t in times] for kind, times in alternate(loops, rounds).items()}
 
 
 def main(argv=None):
     """Prints the kmix / Keras step-time table; returns its rows (the last: `optimizer.apply` alone)."""
-    parser = argparse.ArgumentParser(prog="python -m kmix bench overhead", description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=64, help="Dense layers (2 variables each); default 64")
-    parser.add_argument("--width", type=int, default=16, help="units per layer; default 16")
-    parser.add_argument("--batch", type=int, default=32, help="batch size; default 32")
-    parser.add_argument("--steps", type=int, default=200, help="steps per timed round; default 200")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; default 5")
-    parser.add_argument("--no-jit", action="store_true", help="only tf.function, skip the XLA-compiled run")
-    parser.add_argument("--batchnorm", action="store_true",
-                        help="a BatchNormalization after each Dense: the cost of restoring skipped steps' state")
-    parser.add_argument("--no-restore", action="store_true",
-                        help="kmix with restore_on_skip=False (Keras's behaviour for non-trainable state)")
+    parser = bench_parser("overhead", __doc__)
+    add_options(parser, layers=(64, "Dense layers (2 variables each)"), width=(16, "units per layer"),
+                batch=(32, "batch size"), steps=(200, "steps per timed round"), rounds=(5, "alternating rounds"),
+                no_jit="only tf.function, skip the XLA-compiled run",
+                batchnorm="a BatchNormalization after each Dense: the cost of restoring skipped steps' state",
+                no_restore="kmix with restore_on_skip=False (Keras's behaviour for non-trainable state)")
     args = parser.parse_args(argv)
     rows = []
     for jit in ([False] if args.no_jit else [False, True]):
-        label = "XLA" if jit else "tf.function"
+        label = compiled(jit)
         progress(f"{label}: {args.layers} layers x {args.width} units, {2 * args.layers + 2} variables")
         per_step, same = measure(args.layers, args.width, args.batch, args.steps, args.rounds, jit,
                                  args.batchnorm, not args.no_restore)

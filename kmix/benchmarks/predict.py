@@ -1,10 +1,5 @@
-"""`python -m kmix bench predict`: inference throughput, float32 against the half-precision routes.
+"""`python -m kmix bench predict`: inference throughput, float32 against the half-precision routes."""
 
-`model.predict` on each route (`routes`), and two served SavedModels (`model.export`, `kmix.export`), each
-against float32's outputs; rounds alternate between the routes.
-"""
-
-import argparse
 import os
 import tempfile
 import time
@@ -13,10 +8,9 @@ import numpy as np
 import tensorflow as tf
 
 import kmix
-from kmix.benchmarks import routes as keras_routes
-from kmix.benchmarks.common import (add_size_arguments, check_sizes, choices, device_label, format_table, progress,
-                                    quiet_tf_logs, recommend_here, time_call)
-from kmix.benchmarks.routes import MODELS, Route
+from kmix.benchmarks.common import (add_size_arguments, alternate, bench_parser, check_sizes, choices, compiled,
+                                    device_label, format_table, progress, quiet_tf_logs, recommend_here)
+from kmix.benchmarks.routes import MODELS, Route, build
 from kmix.serving import artifact
 
 HEADERS = ["model", "policy", "stack", "compiled", "ms/batch", "items/s", "speed x f32", "max |out - f32|",
@@ -30,24 +24,18 @@ def routes(recommendation):
                ("float32", "tf-rewrite", False)]
     if recommendation is not None:
         configs.append((recommendation.policy, "recommended", recommendation.jit_compile))
-    configs += [("float32", "keras-export", False), (export_dtype(recommendation), "kmix.export", False)]
-    return configs
-
-
-def export_dtype(recommendation):
-    """The half dtype `kmix.export` writes here: the recommended policy's, else bfloat16."""
-    compute = getattr(getattr(recommendation, "policy", None), "compute_dtype", "float32")
-    return compute if compute in ("float16", "bfloat16") else "bfloat16"
+    compute = getattr(getattr(recommendation, "policy", None), "compute_dtype", "float32")  # kmix.export's dtype
+    return configs + [("float32", "keras-export", False),
+                      (compute if compute in ("float16", "bfloat16") else "bfloat16", "kmix.export", False)]
 
 
 class Served:
-    """The float32 model written as a SavedModel by `model.export` (`"keras-export"`) or `kmix.export` in the
-    half dtype `policy` (`"kmix.export"`) into `directory`, loaded; `predict` calls its `serve` endpoint."""
+    """The float32 model exported by `model.export` or `kmix.export` (in `policy`), loaded; `predict` calls `serve`."""
 
     def __init__(self, model_name, size, policy, stack, directory):
         self.policy, self.stack, self.jit_compile = policy, stack, False
         with kmix.policy_scope("float32"):
-            model, data, self.items = keras_routes.build(model_name, size, "keras")
+            model, data, self.items = build(model_name, size, "keras")
         self.x = x = next(iter(data))[0]
         path = os.path.join(directory, f"{model_name}-{stack}")
         if stack == "keras-export":
@@ -67,12 +55,7 @@ class Served:
 
 
 def measure(model_name, size, configs, steps, rounds, reference=None, directory=None):
-    """Predict throughput and agreement with `reference` (the first route's outputs) per route, in rounds.
-
-    Returns:
-        Dicts of `model`, `policy`, `stack`, `jit_compile`, `batch_seconds` (the fastest round),
-        `items_per_second`, `max_abs_diff`, `top1_agreement`, `bytes`, `load_seconds`, `config`, `outputs`.
-    """
+    """A dict per route of `configs`: predict throughput (the fastest round) and agreement with `reference`."""
     if directory is None:
         with tempfile.TemporaryDirectory() as tmp:
             return measure(model_name, size, configs, steps, rounds, reference, tmp)
@@ -83,25 +66,18 @@ def measure(model_name, size, configs, steps, rounds, reference=None, directory=
                  else Route(model_name, size, policy, stack, jit))
         route.config = (policy, stack, jit)
         route.outputs = route.predict(1)  # traces, and the outputs to compare
-        route.seconds = []
         built.append(route)
-    for r in range(rounds):
-        progress(f"[{model_name}] timing round {r + 1}/{rounds}")
-        for route in built:
-            route.predict(1)  # absorbs a first call that instantiates anything again
-            route.seconds.append(time_call(lambda: route.predict(steps), repeats=1, warmup=0)[0] / steps)
+    # Each round: one untimed batch first (it absorbs a first call that instantiates anything again).
+    seconds = alternate({i: (lambda r=route: r.predict(steps)) for i, route in enumerate(built)}, rounds, warmup=0,
+                        after_round=lambda r, _: progress(f"[{model_name}] timed round {r + 1}/{rounds}"),
+                        before=lambda i: built[i].predict(1))
     reference = built[0].outputs if reference is None else reference
-    results = []
-    for route in built:
-        step = min(route.seconds)
-        results.append({
-            "model": model_name, "policy": route.policy, "stack": route.stack, "jit_compile": route.jit_compile,
-            "batch_seconds": step, "items_per_second": route.items / step,
-            "max_abs_diff": float(np.max(np.abs(route.outputs - reference))),
-            "top1_agreement": float(np.mean(route.outputs.argmax(-1) == reference.argmax(-1))),
-            "bytes": getattr(route, "bytes", None), "load_seconds": getattr(route, "load_seconds", None),
-            "config": route.config, "outputs": route.outputs})
-    return results
+    return [{"model": model_name, "policy": route.policy, "stack": route.stack, "jit_compile": route.jit_compile,
+             "batch_seconds": min(seconds[i]) / steps, "items_per_second": route.items * steps / min(seconds[i]),
+             "max_abs_diff": float(np.max(np.abs(route.outputs - reference))),
+             "top1_agreement": float(np.mean(route.outputs.argmax(-1) == reference.argmax(-1))),
+             "bytes": getattr(route, "bytes", None), "load_seconds": getattr(route, "load_seconds", None),
+             "config": route.config, "outputs": route.outputs} for i, route in enumerate(built)]
 
 
 def format_rows(results):
@@ -125,25 +101,18 @@ def fastest_lines(results):
         keras_rows = [r for r in rows if r["stack"] not in SERVED]
         if served and keras_rows:
             top = min(keras_rows, key=lambda r: r["batch_seconds"])
-            speed = top["batch_seconds"] / served[0]["batch_seconds"]
-            lines.append(f"{model}: kmix.export's artifact at {speed:.2f}x the speed of the fastest Keras route "
-                         f"({_label(top)})")
+            lines.append(f"{model}: kmix.export's artifact at {top['batch_seconds'] / served[0]['batch_seconds']:.2f}x "
+                         f"the speed of the fastest Keras route ({_label(top)})")
     return lines
 
 
 def _label(r):
-    compiled = "SavedModel" if r["stack"] in SERVED else "XLA" if r["jit_compile"] else "tf.function"
-    return f"{r['policy']}, {r['stack']}, {compiled}"
+    return f"{r['policy']}, {r['stack']}, {'SavedModel' if r['stack'] in SERVED else compiled(r['jit_compile'])}"
 
 
 def main(argv=None):
-    """Prints the inference table; returns `{"results": ..., "rows": ..., "recommendation": ...}`.
-
-    Example:
-        >>> from kmix.benchmarks import predict
-        >>> out = predict.main(["--quick"])
-    """
-    parser = argparse.ArgumentParser(prog="python -m kmix bench predict", description=__doc__.splitlines()[0])
+    """Prints the inference table; returns `{"results": ..., "rows": ..., "recommendation": ...}`."""
+    parser = bench_parser("predict", __doc__)
     parser.add_argument("--models", default="gpt,resnet50",
                         help="comma-separated models among " + ", ".join(MODELS) + "; default gpt,resnet50")
     add_size_arguments(parser, batch=32, layers=2, d_model=512, heads=8, seq=128, vocab=2048, image=64, steps=5,
@@ -155,16 +124,15 @@ def main(argv=None):
     start = time.perf_counter()
     recommendation = recommend_here(args.quick)
     configs = routes(recommendation)
-    plain = [c for c in configs if c[1] != "tf-rewrite"]
-    rewrite = [c for c in configs if c[1] == "tf-rewrite"]
     with quiet_tf_logs():
         # TensorFlow's rewrite runs last, alone: once its option has been set and unset, the
         # other routes' functions ran slower for the rest of the process on our CPUs (2026-11-23).
-        by_model = {m: measure(m, size, plain, args.steps, args.rounds) for m in models}
+        by_model = {m: measure(m, size, [c for c in configs if c[1] != "tf-rewrite"], args.steps, args.rounds)
+                    for m in models}
         for m in models:
-            by_model[m] += measure(m, size, rewrite, args.steps, args.rounds, by_model[m][0]["outputs"])
-    order = {c: i for i, c in enumerate(configs)}
-    results = [r for m in models for r in sorted(by_model[m], key=lambda r: order[r["config"]])]
+            by_model[m] += measure(m, size, [c for c in configs if c[1] == "tf-rewrite"], args.steps, args.rounds,
+                                   by_model[m][0]["outputs"])
+    results = [r for m in models for r in sorted(by_model[m], key=lambda r: configs.index(r["config"]))]
     for r in results:
         del r["outputs"], r["config"]
     print(f"predict on {device_label()}: batch {args.batch}; GPT {args.layers} layers, d_model {args.d_model}, seq "
@@ -176,7 +144,6 @@ def main(argv=None):
           "Keras outputs of the same untrained model on the same batch. Served rows (SavedModel): the "
           "endpoint called on the batch in a loop (no `model.predict` around it); MB on disk, load s: "
           "`tf.saved_model.load`.")
-    print("\n".join(fastest_lines(results)))
-    print(recommendation)
+    print(*fastest_lines(results), recommendation, sep="\n")
     progress(f"done in {time.perf_counter() - start:.0f} s")
     return {"results": results, "rows": rows, "recommendation": recommendation}

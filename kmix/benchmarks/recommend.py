@@ -1,31 +1,24 @@
-"""`python -m kmix bench recommend`: is `kmix.recommend(model, x, y)` steady on a loaded machine?
+"""`python -m kmix bench recommend`: is `kmix.recommend(model, x, y)` steady on a loaded machine?"""
 
-Issue 35's case: a 2-block transformer encoder on a CPU with `--busy` spinning processes beside it. Each of
-`--runs` fresh processes calls `kmix.recommend` as a new user would, decides its table again with the other
-tie rule (`tie="float32"`), and hand-times every route in the same load; a pick within 5% of the fastest
-hand-timed route is a good one. `--simulate` scores both tie rules on simulated loaded rounds instead.
-"""
-
-import argparse
 import datetime
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import keras
 import numpy as np
 
 import kmix
-from kmix.benchmarks.common import alternate, format_table, in_fresh_process, progress
+from kmix.benchmarks.common import (add_options, alternate, bench_parser, compiled, format_table, in_fresh_process,
+                                    median, progress)
 from kmix.benchmarks.gpt import PositionEmbedding
 from kmix.route import rule, timing, trials
 
 WITHIN = 1.05  # a pick within 5% of the fastest hand-timed route is a good one
-SPIN = "while True:\n    pass\n"
 ROUTES = (("float32", False), ("float32", True), ("bfloat16", False), ("bfloat16", True))  # (dtype, jit_compile)
 SCENARIOS = {  # name -> ({route: true ms per step}, the noise: sigma of log(step / true step))
     "issue 35's encoder (bfloat16 2.3x), 34% noise": (dict(zip(ROUTES, (378.0, 420.0, 166.0, 400.0))), 0.34),
@@ -51,12 +44,6 @@ def build_encoder(blocks=2, d_model=256, heads=4, seq=128, vocab=1000, classes=2
     return model
 
 
-def data(rows, seq=128, vocab=1000, classes=2):
-    """Random tokens and labels, `(x, y)`."""
-    rng = np.random.default_rng(0)
-    return rng.integers(0, vocab, (rows, seq)).astype("int32"), rng.integers(0, classes, rows).astype("int32")
-
-
 def hand_time(model, x, y, routes, rounds, steps):
     """Seconds per step of each route, `{(policy, jit_compile): [one per round]}`, timed with a plain loop."""
     built = {}
@@ -78,21 +65,19 @@ def trial(size, batch_size, budget_s, hand_rounds, hand_steps, probe_shape=None,
     from kmix.route.recommendation import decide_routes
 
     model = build_encoder(**size)
-    x, y = data(4 * batch_size, size["seq"], size["vocab"], size["classes"])
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, size["vocab"], (4 * batch_size, size["seq"])).astype("int32")
+    y = rng.integers(0, size["classes"], 4 * batch_size).astype("int32")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     begin = time.perf_counter()
-    kwargs = {} if budget_s is None else {"budget_s": budget_s}
-    if probe_shape is not None:
-        kwargs["probe"] = kmix.device.probe(tuple(probe_shape), budget=0.02)
-    if dtypes is not None:
-        kwargs["dtypes"] = tuple(dtypes)
-    rec = kmix.recommend(model, x, y, batch_size=batch_size, verbose=False, **kwargs)
-    seconds = time.perf_counter() - begin
-    table = rec.table
+    kwargs = {} if budget_s is None else {"budget_s": budget_s}  # None: recommend's own
+    probe = None if probe_shape is None else kmix.device.probe(tuple(probe_shape), budget=0.02)
+    rec = kmix.recommend(model, x, y, batch_size=batch_size, verbose=False, probe=probe,
+                         dtypes=None if dtypes is None else tuple(dtypes), **kwargs)
+    seconds, table = time.perf_counter() - begin, rec.table
     if table is None:  # the budget could not cover one route: nothing was timed on the model to score
         raise SystemExit(f"bench recommend: {rec.reasons[-1]}")
-    strict = decide_routes(table, rec.probe, facts.gpus(), facts.cpu_features(), facts.onednn_enabled(),
-                           tie="float32")
+    strict = decide_routes(table, rec.probe, facts.gpus(), facts.cpu_features(), facts.onednn_enabled(), tie="float32")
     routes = [(r.policy, r.jit_compile) for r in table.routes]
     # A pick the budget left untimed (the probe's route) is hand-timed too, so that it can be scored.
     routes += [pick for pick in {(rec.policy, rec.jit_compile), (strict.policy, strict.jit_compile)}
@@ -102,12 +87,12 @@ def trial(size, batch_size, budget_s, hand_rounds, hand_steps, probe_shape=None,
     return {"load": load, "pick": [rec.policy, rec.jit_compile], "strict_pick": [strict.policy, strict.jit_compile],
             "tie": any("tie rule" in reason for reason in rec.reasons),
             "rounds": {_label(route): len(r.seconds) for route, r in timed},
-            "recommend_ms": {_label(route): statistics.median(r.seconds) * 1e3 for route, r in timed},
-            "hand_ms": {_label(route): statistics.median(v) * 1e3 for route, v in hand.items()}, "seconds": seconds}
+            "recommend_ms": {_label(route): median(r.seconds) * 1e3 for route, r in timed},
+            "hand_ms": {_label(route): median(v) * 1e3 for route, v in hand.items()}, "seconds": seconds}
 
 
 def _label(route):
-    return f"{route[0]}, {'XLA' if route[1] else 'tf.function'}"
+    return f"{route[0]}, {compiled(route[1])}"
 
 
 def score(run):
@@ -125,9 +110,8 @@ def summarize(runs):
         fastest = min(run["hand_ms"], key=run["hand_ms"].get)
         rounds = sorted(run["rounds"].values())
         rows.append([i, "n/a" if run["load"] is None else f"{run['load']:.1f}", _label(run["pick"]),
-                     f"{rounds[0]}-{rounds[-1]}", "yes" if run["tie"] else "no", fastest,
-                     s["median"], "yes" if s["median"] <= WITHIN else "NO", _label(run["strict_pick"]),
-                     s["float32"]])
+                     f"{rounds[0]}-{rounds[-1]}", "yes" if run["tie"] else "no", fastest, s["median"],
+                     "yes" if s["median"] <= WITHIN else "NO", _label(run["strict_pick"]), s["float32"]])
     for tie in rule.TIES:
         costs = [score(run)[tie] for run in runs]
         slower = [c for c in costs if c > WITHIN]
@@ -144,21 +128,16 @@ HEADERS = ["run", "load", "recommended", "rounds", "tie", "fastest (hand)", "x f
 
 def main(argv=None):
     """Runs the benchmark; prints the table and the summary; returns `{"runs": [...], "summary": [...]}`."""
-    parser = argparse.ArgumentParser(prog="python -m kmix bench recommend", description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=10, help="fresh processes, each one recommend; default 10")
-    parser.add_argument("--busy", type=int, default=2, help="processes spinning on the CPU meanwhile; default 2")
+    parser = bench_parser("recommend", __doc__)
+    add_options(parser, runs=(10, "fresh processes, each one recommend"),
+                busy=(2, "processes spinning on the CPU meanwhile"))
     parser.add_argument("--budget", type=float, default=None, help="recommend's budget_s; default its own (30)")
-    parser.add_argument("--blocks", type=int, default=2, help="encoder blocks; default 2")
-    parser.add_argument("--d-model", type=int, default=256, help="model width; default 256")
-    parser.add_argument("--seq", type=int, default=128, help="sequence length; default 128")
-    parser.add_argument("--batch-size", type=int, default=16, help="recommend's batch_size; default 16")
-    parser.add_argument("--hand-rounds", type=int, default=15, help="hand-timed interleaved rounds; default 15")
-    parser.add_argument("--hand-steps", type=int, default=3, help="steps per hand-timed round; default 3")
+    add_options(parser, blocks=(2, "encoder blocks"), d_model=(256, "model width"), seq=(128, "sequence length"),
+                batch_size=(16, "recommend's batch_size"), hand_rounds=(15, "hand-timed interleaved rounds"),
+                hand_steps=(3, "steps per hand-timed round"))
     parser.add_argument("--json", default=None, metavar="PATH", help="also write every run's figures here")
-    parser.add_argument("--simulate", action="store_true", help="no timing: the tie rules on simulated loaded "
-                        "rounds (SCENARIOS), in seconds")
-    parser.add_argument("--quick", action="store_true", help="a smoke test: 1 run, 1 busy process, a 1-block d 16 "
-                        "seq 8 encoder, budget 2 s, a tiny probe")
+    add_options(parser, simulate="no timing: the tie rules on simulated loaded rounds (SCENARIOS), in seconds",
+                quick="a smoke test: 1 run, 1 busy process, a 1-block d 16 seq 8 encoder, budget 2 s, a tiny probe")
     args = parser.parse_args(argv)
     if args.simulate:
         return {"simulation": print_simulation()}
@@ -169,7 +148,7 @@ def main(argv=None):
             "seq": args.seq, "vocab": 1000, "classes": 2}
     spec = {"size": size, "batch_size": args.batch_size, "budget_s": args.budget, "hand_rounds": args.hand_rounds,
             "hand_steps": args.hand_steps, "probe_shape": (64, 16, 32) if args.quick else None}
-    busy = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(args.busy)]
+    busy = [subprocess.Popen([sys.executable, "-c", "while True:\n    pass\n"]) for _ in range(args.busy)]
     runs = []
     try:
         for i in range(1, args.runs + 1):
@@ -186,11 +165,9 @@ def main(argv=None):
     rows, lines = summarize(runs)
     print(format_table(HEADERS, rows))
     print("load: the 1-minute load average as the run began. x fastest: the pick's hand-timed median step "
-          "over the fastest route's. tie: the reasons say the tie rule decided.")
-    print("\n".join(lines))
+          "over the fastest route's. tie: the reasons say the tie rule decided.", *lines, sep="\n")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cpu": cpu, "args": vars(args), "runs": runs}, f, indent=1)
+        Path(args.json).write_text(json.dumps({"cpu": cpu, "args": vars(args), "runs": runs}, indent=1))
     return {"runs": runs, "summary": lines}
 
 
@@ -206,25 +183,14 @@ def simulate(true_ms, sigma, seed, budget_s=8.0):
                              more=lambda rounds: rule.unsettled(rounds, False), clock=lambda: now[0])
 
 
-def simulated_costs(true_ms, sigma, seeds=40):
-    """`{tie rule: [the pick's true step over the fastest's, one per seed]}` and the rounds' counts."""
-    fastest = min(true_ms.values())
-    costs, counts = {tie: [] for tie in rule.TIES}, []
-    for seed in range(seeds):
-        rounds = simulate(true_ms, sigma, seed)
-        counts.append(max(len(v) for v in rounds.values()))
-        for tie in rule.TIES:
-            costs[tie].append(true_ms[rule.choose(rounds, False, 1.0, 1.0, tie=tie).route] / fastest)
-    return costs, counts
-
-
 def print_simulation(seeds=40):
     """The `--simulate` table: per scenario and tie rule, how often within 5%, the mean and worst cost."""
     rows = []
     for name, (true_ms, sigma) in SCENARIOS.items():
-        costs, counts = simulated_costs(true_ms, sigma, seeds)
-        for tie in rule.TIES:
-            c = costs[tie]
+        runs, fastest = [simulate(true_ms, sigma, seed) for seed in range(seeds)], min(true_ms.values())
+        counts = [max(len(v) for v in rounds.values()) for rounds in runs]
+        for tie in rule.TIES:  # the pick's true step over the fastest's, one per seed
+            c = [true_ms[rule.choose(rounds, False, 1.0, 1.0, tie=tie).route] / fastest for rounds in runs]
             rows.append([name, tie, f"{sum(x <= WITHIN for x in c)}/{len(c)}", f"{sum(c) / len(c) - 1:+.1%}",
                          f"{max(c) - 1:+.0%}", f"{min(counts)}-{max(counts)}"])
     print(f"Simulated load: every step is its true time x exp(normal(0, sigma)); {seeds} seeds per scenario; "

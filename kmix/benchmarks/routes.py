@@ -1,8 +1,4 @@
-"""The routes the speed benchmarks compare: a dtype policy and a stack (`STACKS`) on one of `MODELS`.
-
-Stacks: `keras`, `keras-again` (a control), `kmix` (its layers, `kmix.wrap`), `tf-rewrite` (TensorFlow's
-grappler rewrite), `autocast` (`kmix.autocast(model, "O1-<half>")`), `recommended`, `recommend(model)`.
-"""
+"""The routes the speed benchmarks compare: a dtype policy and a stack (`STACKS`) on one of `MODELS`."""
 
 import contextlib
 
@@ -12,7 +8,8 @@ import tensorflow as tf
 
 import kmix
 from kmix.benchmarks import gpt
-from kmix.benchmarks.common import gpu_device, steady
+from kmix.benchmarks.common import gpu_device, progress, steady, token_batch
+from kmix.route import timing
 
 STACKS = ("keras", "keras-again", "kmix", "tf-rewrite", "autocast", "recommended", "recommend(model)")
 PLACED = ("autocast", "recommended", "recommend(model)")  # built in float32 and placed by kmix.autocast
@@ -39,30 +36,23 @@ def grappler_rewrite(enabled=True):
 
 
 def build(model_name, size, stack):
-    """`(model, dataset, items per batch)`: `model_name` uncompiled under the current policy, one batch repeated.
-
-    `size` holds `layers`, `d_model`, `heads`, `seq`, `vocab`, `image`, `classes`, `batch`; `stack` is
-    `"keras"` or `"kmix"` (whose attention the GPT uses).
-    """
+    """`(model, dataset, items per batch)`: `model_name` uncompiled under the current policy, one batch repeated."""
     if model_name == "gpt":
         model = gpt.build_model(size["layers"], size["d_model"], size["heads"], size["seq"], size["vocab"], stack)
         return model, gpt.make_dataset(size["batch"], size["seq"], size["vocab"]), size["batch"] * size["seq"]
     if model_name in ("resnet50", "mobilenetv2"):
         keras.utils.set_random_seed(0)
-        side = size["image"]
         application = keras.applications.ResNet50 if model_name == "resnet50" else keras.applications.MobileNetV2
-        model = application(weights=None, input_shape=(side, side, 3), classes=size["classes"])
+        model = application(weights=None, input_shape=(size["image"], size["image"], 3), classes=size["classes"])
         return model, _image_data(size), size["batch"]
     if model_name in HUB_MODELS:
-        model = _hub_model(model_name, size)
-        return model, _token_data(model_name, size), size["batch"] * size["seq"]
+        return _hub_model(model_name, size), _token_data(model_name, size), size["batch"] * size["seq"]
     raise ValueError(f"`model_name` must be one of {MODELS}. Received: model_name={model_name!r}")
 
 
 def _image_data(size):
     rng = np.random.default_rng(0)
-    side = size["image"]
-    x = rng.uniform(0, 255, size=(size["batch"], side, side, 3)).astype("float32")
+    x = rng.uniform(0, 255, size=(size["batch"], size["image"], size["image"], 3)).astype("float32")
     y = rng.integers(0, size["classes"], size=(size["batch"],)).astype("int32")
     return steady(tf.data.Dataset.from_tensors((x, y)).repeat())
 
@@ -88,19 +78,16 @@ def _hub_model(model_name, size):
 
 def _token_data(model_name, size):
     rng = np.random.default_rng(0)
-    batch, seq = size["batch"], size["seq"]
-    tokens = rng.integers(0, size["vocab"], size=(batch, seq + 1)).astype("int32")
-    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((batch, seq), "int32")}
-    if model_name == "gpt2-lm":
-        y = tokens[:, 1:]
-    else:
-        x["segment_ids"] = np.zeros((batch, seq), "int32")
-        y = rng.integers(0, size["classes"], size=(batch,)).astype("int32")
+    x, y = token_batch(rng, size["vocab"], size["batch"], size["seq"])
+    if model_name == "bert":
+        x["segment_ids"] = np.zeros_like(y)
+        y = rng.integers(0, size["classes"], size=(size["batch"],)).astype("int32")
     return steady(tf.data.Dataset.from_tensors((x, y)).repeat())
 
 
 def recommend_on_model(model_name, size, budget_s, probe=None):
     """`kmix.recommend(model, sample=..., budget_s=..., probe=...)` on the float32 model, compiled as a user would."""
+    progress(f"kmix.recommend(model, ...): timing this model's own step on each route (budget_s={budget_s:g})")
     with kmix.policy_scope("float32"):
         model, data, _ = build(model_name, size, "kmix")
     model.compile(optimizer=keras.optimizers.AdamW(1e-4), loss=loss_for(model_name))
@@ -113,16 +100,14 @@ def loss_for(model_name):
 
 
 class Route:
-    """One route, built and compiled, ready to train or predict: `model_name` and `size` as `build`'s, a
-    policy, a stack of `STACKS` and `model.compile`'s `jit_compile` (`"auto"`: Keras's default)."""
+    """One route, built and compiled: a model of `MODELS`, a policy, a stack of `STACKS` and a `jit_compile`."""
 
     def __init__(self, model_name, size, policy, stack, jit_compile):
         if stack not in STACKS:
             raise ValueError(f"`stack` must be one of {STACKS}. Received: stack={stack!r}")
-        self.policy, self.stack = policy, stack
-        build_policy = "float32" if stack == "tf-rewrite" or stack in PLACED else policy
-        with kmix.policy_scope(build_policy):
-            plain = stack in ("keras", "keras-again", "tf-rewrite")
+        self.model_name, self.size, self.policy, self.stack, self.loss = model_name, size, policy, stack, None
+        plain = stack in ("keras", "keras-again", "tf-rewrite")
+        with kmix.policy_scope("float32" if stack == "tf-rewrite" or stack in PLACED else policy):
             model, self.data, self.items = build(model_name, size, "keras" if plain else "kmix")
         if stack == "autocast":  # "mixed_<half>" -> "O1-<half>"
             policy = self.policy = "O1-" + policy.split("_", 1)[1] if policy.startswith("mixed_") else policy
@@ -133,9 +118,7 @@ class Route:
             if stack == "kmix" or stack in PLACED:
                 optimizer = kmix.wrap(optimizer)
             model.compile(optimizer=optimizer, loss=loss_for(model_name), jit_compile=jit_compile)
-        self.model = model
-        self.jit_compile = bool(model.jit_compile)
-        self.loss = None
+        self.model, self.jit_compile = model, bool(model.jit_compile)
 
     def _context(self):
         return grappler_rewrite() if self.stack == "tf-rewrite" else contextlib.nullcontext()
@@ -145,6 +128,16 @@ class Route:
         with self._context():
             history = self.model.fit(self.data, steps_per_epoch=steps, epochs=1, shuffle=False, verbose=0)
         self.loss = float(history.history["loss"][-1])
+
+    def figures(self, rounds, peak_bytes):
+        """The route's figures from its `rounds` (seconds per step): the median step, items/s, model TFLOP/s (GPT)."""
+        step, s, tflops = timing.median(rounds), self.size, None
+        if self.model_name == "gpt":
+            tflops = gpt.model_flops_per_token(self.model, s["layers"], s["d_model"], s["seq"]) * self.items / step
+            tflops /= 1e12
+        return {"policy": self.policy, "stack": self.stack, "jit_compile": self.jit_compile, "step_seconds": step,
+                "tokens_per_second": self.items / step, "tflops": tflops, "peak_bytes": peak_bytes, "loss": self.loss,
+                "rounds": tuple(rounds)}
 
     def predict(self, steps):
         """Runs `predict` over `steps` batches; returns the outputs as float32 NumPy."""

@@ -1,14 +1,7 @@
-"""`python -m kmix bench scale`: what kmix's own calls cost at the size of the models users bring.
+"""`python -m kmix bench scale`: what kmix's own calls cost at the size of the models users bring."""
 
-Each call (`CALLS`: `kmix.autocast`, `kmix.export`, `kmix.recommend`, beside Keras's own equivalents) runs
-in a fresh process on a keras-hub model built in float32: its seconds against that build's, its extra peak
-resident set and what it keeps (after `gc` and `malloc_trim`) against the float32 weights.
-"""
-
-import argparse
 import datetime
 import os
-import platform
 import tempfile
 import time
 
@@ -16,8 +9,8 @@ import keras
 import numpy as np
 
 import kmix
-from kmix.benchmarks.common import (format_table, in_fresh_process, peak_rss, progress, reset_peak_rss, rss,
-                                    settled_rss)
+from kmix.benchmarks.common import (add_options, bench_parser, cost_of, format_table, host, in_fresh_process,
+                                    peak_rss, progress, rss, token_batch)
 from kmix.benchmarks.lora import LAYOUTS, lora_lm
 
 MODELS = {  # keras-hub backbone class and arguments
@@ -35,15 +28,8 @@ MODELS = {  # keras-hub backbone class and arguments
 }
 DEFAULT_MODELS = ("gpt2-124m", "gpt2-355m")
 LARGE_MODELS = ("llama-836m",)
-CALLS = (  # (name, who, what it is beside)
-    ("build", "Keras", "float32 build: the baseline"),
-    ("mixed build", "Keras", "build under mixed_bfloat16"),
-    ("autocast", "kmix", "kmix.autocast(model, 'O1-bfloat16')"),
-    ("model.export", "Keras", "model.export(dir)"),
-    ("export", "kmix", "kmix.export(model, dir, sample=x)"),
-    ("fit step", "Keras", "one float32 fit step (compile + 1 batch)"),
-    ("recommend", "kmix", "kmix.recommend(model, x, y)"),
-)
+CALLS = {"build": "Keras", "mixed build": "Keras", "autocast": "kmix", "model.export": "Keras", "export": "kmix",
+         "fit step": "Keras", "recommend": "kmix"}  # who makes each call; the float32 build is the baseline
 HEADERS = ["model", "call", "by", "seconds", "x build", "extra peak GB", "x weights", "kept GB", "kept x weights"]
 
 
@@ -54,9 +40,7 @@ def build(name, policy="float32"):
     if name.endswith("-lora"):
         return lora_lm(name[:-len("-lora")], policy)
     cls, kwargs = MODELS[name]
-    previous = keras.config.dtype_policy()
-    keras.config.set_dtype_policy(policy)
-    try:
+    with kmix.policy_scope(policy):
         keras.utils.set_random_seed(0)
         backbone = getattr(keras_hub.models, cls)(**kwargs)
         inputs = {"token_ids": keras.Input((None,), dtype="int32", name="token_ids"),
@@ -64,26 +48,16 @@ def build(name, policy="float32"):
         pooled = keras.layers.GlobalAveragePooling1D()(backbone(inputs))
         logits = keras.layers.Dense(4, dtype="float32", name="head")(pooled)
         return keras.Model(inputs, logits, name=f"{name.replace('-', '_')}_classifier")
-    finally:
-        keras.config.set_dtype_policy(previous)
-
-
-def batch(name, batch_size, seq):
-    """One batch `(x, y)`: token ids below the vocabulary, a full padding mask, 4 classes."""
-    rng = np.random.default_rng(0)
-    vocab = MODELS[name][1]["vocabulary_size"]
-    ids = rng.integers(1, vocab, (batch_size, seq + 1)).astype("int32")
-    x = {"token_ids": ids[:, :-1], "padding_mask": np.ones((batch_size, seq), "int32")}
-    if name.endswith("-lora"):
-        return x, ids[:, 1:]  # a causal LM: the next tokens
-    return x, rng.integers(0, 4, (batch_size,))
 
 
 def measure(call, name, batch_size, seq, budget_s):
     """Builds model `name` in float32, then times `call` and its extra peak memory; returns a dict."""
-    x, y = batch(name, batch_size, seq)
+    rng = np.random.default_rng(0)
+    x, y = token_batch(rng, MODELS[name][1]["vocabulary_size"], batch_size, seq, low=1)  # -lora: the next tokens
+    if not name.endswith("-lora"):
+        y = rng.integers(0, 4, (batch_size,))  # the classifier's 4 classes
     before_build = rss()
-    reset_peak_rss()
+    peak_rss(reset=True)
     start = time.perf_counter()
     model = build(name)
     seconds = build_s = time.perf_counter() - start
@@ -91,33 +65,23 @@ def measure(call, name, batch_size, seq, budget_s):
     extra, kept = max(0, peak_rss() - before_build), None
     weights = sum(int(v.numpy().nbytes) for v in model.weights)
     with tempfile.TemporaryDirectory() as tmp:
-        run = _runner(call, model, name, x, y, batch_size, budget_s, tmp)
-        if run is not None:  # None: the build itself, measured above
-            base = settled_rss()
-            reset_peak_rss()
-            start = time.perf_counter()
-            run()
-            seconds, extra, kept = time.perf_counter() - start, max(0, peak_rss() - base), settled_rss() - base
+        if call in ("fit step", "recommend"):
+            model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        runners = {  # each call as a function of nothing (None: the build, measured above)
+            "build": None,
+            "mixed build": lambda: build(name, "mixed_bfloat16"),
+            "autocast": lambda: kmix.autocast(model, "O1-bfloat16"),
+            "model.export": lambda: model.export(os.path.join(tmp, "keras"), format="tf_saved_model", verbose=False),
+            "export": lambda: kmix.export(model, os.path.join(tmp, "kmix"), sample=x, verbose=False),
+            "fit step": lambda: model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0),
+            "recommend": lambda: kmix.recommend(model, x, y, batch_size=batch_size, budget_s=budget_s, verbose=False)}
+        if call not in runners:
+            raise ValueError(f"`call` must be one of {list(runners)}. Received: call={call!r}")
+        if runners[call] is not None:
+            seconds, extra, kept = cost_of(runners[call])
     keras.config.set_dtype_policy("float32")
     return {"model": name, "call": call, "seconds": seconds, "build_s": build_s, "extra_bytes": extra,
             "kept_bytes": kept, "weight_bytes": weights, "parameters": model.count_params()}
-
-
-def _runner(call, model, name, x, y, batch_size, budget_s, tmp):
-    """The call to measure, as a function of nothing (None: the build, measured as it happens)."""
-    if call in ("fit step", "recommend"):
-        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    runners = {
-        "build": None,
-        "mixed build": lambda: build(name, "mixed_bfloat16"),
-        "autocast": lambda: kmix.autocast(model, "O1-bfloat16"),
-        "model.export": lambda: model.export(os.path.join(tmp, "keras"), format="tf_saved_model", verbose=False),
-        "export": lambda: kmix.export(model, os.path.join(tmp, "kmix"), sample=x, verbose=False),
-        "fit step": lambda: model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0),
-        "recommend": lambda: kmix.recommend(model, x, y, batch_size=batch_size, budget_s=budget_s, verbose=False)}
-    if call not in runners:
-        raise ValueError(f"`call` must be one of {list(runners)}. Received: call={call!r}")
-    return runners[call]
 
 
 def run(models, calls=None, batch_size=4, seq=128, budget_s=30.0, fresh=True, verbose=True):
@@ -125,27 +89,24 @@ def run(models, calls=None, batch_size=4, seq=128, budget_s=30.0, fresh=True, ve
     say = progress if verbose else (lambda message: None)
     results = []
     for name in models:
-        for call in calls or [c for c, _, _ in CALLS]:
+        for call in calls or CALLS:
             say(f"bench scale: {name}: {call}")
             spec = dict(call=call, name=name, batch_size=batch_size, seq=seq, budget_s=budget_s)
-            results.append(_in_subprocess(spec) if fresh else measure(**spec))
+            try:
+                results.append(in_fresh_process("kmix.benchmarks.scale", "measure", spec) if fresh else measure(**spec))
+            except RuntimeError as error:  # the call's own failure in its process (out of memory, ...): its row says so
+                if not fresh:
+                    raise
+                results.append({"model": name, "call": call, "error": str(error).strip().splitlines()[-1][:200]})
             say("bench scale: " + "  ".join(str(v) for v in rows(results[-1:])[0]))  # each row as it comes
     return results
 
 
-def _in_subprocess(spec):
-    try:
-        return in_fresh_process("kmix.benchmarks.scale", "measure", spec)
-    except RuntimeError as error:  # the call's own failure (out of memory, ...): its row says so
-        return {"model": spec["name"], "call": spec["call"], "error": str(error).strip().splitlines()[-1][:200]}
-
-
 def rows(results):
     """The table's rows: each call's time and extra peak, and their ratios to the build and the weights."""
-    who = {c: by for c, by, _ in CALLS}
     table = []
     for r in results:
-        head = [r["model"], r["call"], who.get(r["call"], "")]
+        head = [r["model"], r["call"], CALLS.get(r["call"], "")]
         if "error" in r:
             table.append(head + ["failed", r["error"], "", "", "", ""])
             continue
@@ -158,27 +119,24 @@ def rows(results):
 
 def main(argv=None):
     """Runs the benchmark and prints the table; returns the result dicts."""
-    parser = argparse.ArgumentParser(prog="python -m kmix bench scale", description=__doc__.splitlines()[0])
+    parser = bench_parser("scale", __doc__)
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None,
                         help=f"default: {' '.join(DEFAULT_MODELS)} (with --large: and {' '.join(LARGE_MODELS)})")
     parser.add_argument("--large", action="store_true", help="add the Llama-shaped 836M backbone (~3.3 GB float32)")
     parser.add_argument("--lora", action="store_true", help="add Qwen2's 0.5B layout as a causal LM with LoRA")
-    parser.add_argument("--calls", nargs="+", choices=[c for c, _, _ in CALLS], default=None, help="default: all")
-    parser.add_argument("--batch-size", type=int, default=4, help="rows of the batch; default 4")
-    parser.add_argument("--seq", type=int, default=128, help="tokens per row; default 128")
-    parser.add_argument("--budget", type=float, default=30.0, help="recommend's budget_s; default 30")
-    parser.add_argument("--in-process", action="store_true", help="every call in this process (figures mix)")
-    parser.add_argument("--quick", action="store_true", help="a tiny GPT-2, seq 16, budget 2 s: seconds")
+    parser.add_argument("--calls", nargs="+", choices=list(CALLS), default=None, help="default: all")
+    add_options(parser, batch_size=(4, "rows of the batch"), seq=(128, "tokens per row"),
+                budget=(30.0, "recommend's budget_s"), in_process="every call in this process (figures mix)",
+                quick="a tiny GPT-2, seq 16, budget 2 s: seconds")
     args = parser.parse_args(argv)
     models = args.models or (list(DEFAULT_MODELS) + (list(LARGE_MODELS) if args.large else [])
                              + (["qwen2-0.5b-lora"] if args.lora else []))
     if args.quick:
         models, args.seq, args.budget = ["tiny"], 16, 2.0
     results = run(models, args.calls, args.batch_size, args.seq, args.budget, fresh=not args.in_process)
-    day = datetime.date.today().isoformat()
-    print(f"kmix bench scale, {day}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-          f"load {os.getloadavg()[0]:.1f}; batch {args.batch_size} x {args.seq} tokens, recommend budget_s "
-          f"{args.budget:g}; {'one process' if args.in_process else 'a fresh process per call'}")
+    print(f"kmix bench scale, {datetime.date.today().isoformat()}, {host()}; load {os.getloadavg()[0]:.1f}; batch "
+          f"{args.batch_size} x {args.seq} tokens, recommend budget_s {args.budget:g}; "
+          f"{'one process' if args.in_process else 'a fresh process per call'}")
     print(format_table(HEADERS, rows(results)))
     print("x build: the call's seconds over the float32 build's (in its own process); x weights: its extra peak "
           "resident memory over the model's float32 weights; kept: the resident set after the call returned "
