@@ -4,7 +4,6 @@ import contextlib
 import functools
 import logging
 import types
-import warnings
 import weakref
 
 import keras
@@ -19,7 +18,7 @@ _log = logging.getLogger("kmix")
 
 
 @keras.saving.register_keras_serializable(package="kmix")
-class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(scaling.Settling, steps.Accumulation, keras.optimizers.LossScaleOptimizer):
     """A `keras.optimizers.LossScaleOptimizer` with bounds, hysteresis, counters and float32 master weights.
 
     Each step: all-reduce (in `allreduce_dtype`, or by the inner optimizer); if every gradient is finite,
@@ -133,29 +132,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _int_variable(self, name, initial=0, shape=()):
         return self.add_variable(shape=shape, dtype="int64", initializer=keras.initializers.Constant(initial),
                                  aggregation="none", name=name)
-
-    def _settle(self, float16, var_list):
-        """Decides an `"auto"` scale: dynamic where the variables compute in float16, else fixed."""
-        dynamic = float16 if self._dynamic_request == AUTO else self._dynamic_request
-        advised = scaling.advised_scale(var_list)
-        start = self._initial_request if self._initial_request != AUTO else (
-            (advised or scaling.DEFAULT_SCALE) if dynamic else 1.0)
-        self._undecided = self._undecided and not float16
-        if dynamic and self._dynamic_request == AUTO:
-            _log.info("kmix: %s %r trains variables that compute in float16: switched to dynamic loss scaling "
-                      "from %g%s.", type(self).__name__, self.name, start, " (advised)" if advised else "")
-        elif dynamic and advised and self._initial_request == AUTO:
-            _log.info("kmix: %s %r starts its loss scale at %g, the scale kmix.autocast advised.",
-                      type(self).__name__, self.name, start)
-        elif float16 and not dynamic and start == 1.0:
-            warnings.warn(
-                f"{type(self).__name__} {self.name!r} trains variables whose layers compute in float16 with a "
-                "fixed loss scale of 1, as its arguments ask (dynamic=False, initial_scale=1): small float16 "
-                f"gradients flush to zero. For dynamic loss scaling, wrap the optimizer with `kmix.wrap(opt, "
-                f"dynamic=True, initial_scale={advised or scaling.DEFAULT_SCALE:g})`, or call `kmix.wrap(opt)` "
-                "inside `kmix.policy_scope(level)`.", stacklevel=5)
-        self.dynamic, self.initial_scale = dynamic, start
-        self._bounds = (min(self.min_scale, start), max(self.max_scale, start)) if dynamic else self._bounds
 
     def _scaled(self):
         return bool(self.dynamic or self.initial_scale != 1.0)
@@ -312,20 +288,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             self._add_micro_batch(finite, nonfinite, unscaled, variables, scale, written)
         return self.iterations
 
-    def _settle_in_step(self, grads):
-        """No float16 variables: the first traced step shows whether it computes in float16 (`"auto"` decides)."""
-        self._undecided = False
-        was_dynamic = self.dynamic
-        if not steps.computes_in_float16(grads):
-            return
-        self._settle(True, self._weights.variables)
-        if was_dynamic or not self.dynamic:
-            return
-        self._saved.layout = saved_level.Layout.of(self._weights.variables, self._weights.kind, True)
-        with tf.init_scope():  # before the step runs; a scale restored from a checkpoint is kept
-            if int(self.iterations) == 0:
-                self.dynamic_scale.assign(self.initial_scale)
-
     def _check_variables(self, grads, variables):
         if len(grads) != len(variables):
             raise ValueError(f"Received {len(grads)} gradients for {len(variables)} variables; expected one "
@@ -368,54 +330,6 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._skipped_steps.assign_add(skipped)
         self._overflow_counts.assign_add(overflowed)
         self._min_scale_overflows.assign_add(at_floor)
-
-    # ------------------------------------------------------------ accumulation
-    def _add_micro_batch(self, finite, nonfinite, unscaled, variables, scale, written):
-        """Sums one micro-batch; on the k-th applies the mean, or skips the window if any overflowed."""
-        received = [False] * len(self._weights.variables)
-        for g, v in zip(unscaled, variables):
-            if g is not None:
-                i = self._weights.index[id(v)]
-                received[i] = True
-                g = tf.cast(tf.convert_to_tensor(g), tf.float32)
-                self._accumulators[i].assign_add(tf.where(finite, g, tf.zeros_like(g)))
-        self._accumulated = received
-        window = tf.convert_to_tensor(self._window_nonfinite) + nonfinite
-        count = tf.convert_to_tensor(self._micro_step) + 1
-        start = []
-        if len(written):
-            key = tuple((tuple(old.shape), old.dtype.name) for old in written.before)
-            if key not in self._window_starts:
-                self._window_starts[key] = steps.WindowStart(written)
-            start = self._window_starts[key].take(written, tf.equal(count, 1))
-        self._finish(count >= self.accumulation_steps, window, count, scale,
-                     lambda skipped: written.restore(skipped, start))
-
-    def _finish(self, end, window, count, scale, restore):
-        divisor = tf.cast(tf.maximum(count, 1), tf.float32)
-        if allreduce.reduces_here(self.allreduce_dtype, tf.distribute.get_replica_context()):
-            steps.run_if(end, self._reduce_and_apply, window, divisor, scale, restore)  # one half all-reduce
-        else:
-            clean = tf.equal(tf.reduce_sum(window), 0.0)
-            means = [acc / divisor if on else None for acc, on in zip(self._accumulators, self._accumulated)]
-            self._apply_if(tf.logical_and(end, clean), means, self._weights.variables)
-            self._record_step(clean, window, scale, active=end)
-            restore(tf.logical_and(end, tf.logical_not(clean)))
-        for acc in self._accumulators:
-            acc.assign(tf.where(end, tf.zeros_like(acc), acc))
-        self._micro_step.assign(tf.where(end, tf.zeros_like(count), count))
-        self._window_nonfinite.assign(tf.where(end, tf.zeros_like(window), window))
-
-    def _reduce_and_apply(self, window, divisor, scale, restore):
-        """The window's scaled means summed in `allreduce_dtype`; a replica that overflowed sends NaN."""
-        means = [acc * (scale / divisor) if on else None for acc, on in zip(self._accumulators, self._accumulated)]
-        sums = allreduce.all_reduce(means, self._weights.variables, self.allreduce_dtype,
-                                    poison=[window[i] > 0 for i in range(len(means))])
-        nonfinite = self._nonfinite(sums, self._weights.variables)
-        finite = tf.equal(tf.reduce_sum(nonfinite), 0.0)
-        self._apply_if(finite, [None if s is None else s / scale for s in sums], self._weights.variables)
-        restore(tf.logical_not(finite))
-        self._record_step(finite, nonfinite, scale)
 
     def finalize_variable_values(self, var_list):
         """Applies a pending partial accumulation, then the inner optimizer's finalization (EMA)."""

@@ -17,16 +17,21 @@ else:
 
 from typing import NamedTuple
 
+import logging
+import warnings
+
 import keras
 import tensorflow as tf
 
 from kmix import _checks as checks
 from kmix import _state
+from kmix.optimizers import saved_level, steps
 
 DEFAULT_SCALE = 2.0**15
 AUTO = "auto"
 HALF = ("float16", "bfloat16")
 _INT64_MAX = 2**63 - 1  # step counts live in int64 variables
+_log = logging.getLogger("kmix")
 
 
 class ScaleState(NamedTuple):
@@ -151,6 +156,47 @@ def advised_scale(var_list):
     """The largest initial scale `kmix.autocast(..., sample=)` advised for `var_list`, or None."""
     scales = [p.initial_scale for p in _state.placed(var_list) if p.initial_scale is not None]
     return max(scales) if scales else None
+
+
+class Settling:
+    """How `kmix.LossScaleOptimizer` decides an `"auto"` scale (its own methods, kept here by topic)."""
+
+    def _settle(self, float16, var_list):
+        """Decides an `"auto"` scale: dynamic where the variables compute in float16, else fixed."""
+        dynamic = float16 if self._dynamic_request == AUTO else self._dynamic_request
+        advised = advised_scale(var_list)
+        start = self._initial_request if self._initial_request != AUTO else (
+            (advised or DEFAULT_SCALE) if dynamic else 1.0)
+        self._undecided = self._undecided and not float16
+        if dynamic and self._dynamic_request == AUTO:
+            _log.info("kmix: %s %r trains variables that compute in float16: switched to dynamic loss scaling "
+                      "from %g%s.", type(self).__name__, self.name, start, " (advised)" if advised else "")
+        elif dynamic and advised and self._initial_request == AUTO:
+            _log.info("kmix: %s %r starts its loss scale at %g, the scale kmix.autocast advised.",
+                      type(self).__name__, self.name, start)
+        elif float16 and not dynamic and start == 1.0:
+            warnings.warn(
+                f"{type(self).__name__} {self.name!r} trains variables whose layers compute in float16 with a "
+                "fixed loss scale of 1, as its arguments ask (dynamic=False, initial_scale=1): small float16 "
+                f"gradients flush to zero. For dynamic loss scaling, wrap the optimizer with `kmix.wrap(opt, "
+                f"dynamic=True, initial_scale={advised or DEFAULT_SCALE:g})`, or call `kmix.wrap(opt)` "
+                "inside `kmix.policy_scope(level)`.", stacklevel=5)
+        self.dynamic, self.initial_scale = dynamic, start
+        self._bounds = (min(self.min_scale, start), max(self.max_scale, start)) if dynamic else self._bounds
+
+    def _settle_in_step(self, grads):
+        """No float16 variables: the first traced step shows whether it computes in float16 (`"auto"` decides)."""
+        self._undecided = False
+        was_dynamic = self.dynamic
+        if not steps.computes_in_float16(grads):
+            return
+        self._settle(True, self._weights.variables)
+        if was_dynamic or not self.dynamic:
+            return
+        self._saved.layout = saved_level.Layout.of(self._weights.variables, self._weights.kind, True)
+        with tf.init_scope():  # before the step runs; a scale restored from a checkpoint is kept
+            if int(self.iterations) == 0:
+                self.dynamic_scale.assign(self.initial_scale)
 
 
 def report(paths, counts, top=None):

@@ -13,6 +13,7 @@ import keras
 import tensorflow as tf
 
 from kmix import _compat
+from kmix.optimizers import allreduce
 
 SCALED, UNSCALED, UNMARKED, UNTRACEABLE = "scaled", "unscaled", "unmarked", "untraceable"
 _READS = {"ReadVariableOp", "VarIsInitializedOp", "VariableShape", "ResourceGather", "ResourceGatherNd"}
@@ -246,6 +247,57 @@ class WindowStart:
         for kept, value in zip(self.values, start):
             kept.assign(value)
         return start
+
+
+class Accumulation:
+    """`kmix.LossScaleOptimizer`'s steps under `accumulation_steps > 1` (its own methods, kept here by topic)."""
+
+    def _add_micro_batch(self, finite, nonfinite, unscaled, variables, scale, written):
+        """Sums one micro-batch; on the k-th applies the mean, or skips the window if any overflowed."""
+        received = [False] * len(self._weights.variables)
+        for g, v in zip(unscaled, variables):
+            if g is not None:
+                i = self._weights.index[id(v)]
+                received[i] = True
+                g = tf.cast(tf.convert_to_tensor(g), tf.float32)
+                self._accumulators[i].assign_add(tf.where(finite, g, tf.zeros_like(g)))
+        self._accumulated = received
+        window = tf.convert_to_tensor(self._window_nonfinite) + nonfinite
+        count = tf.convert_to_tensor(self._micro_step) + 1
+        start = []
+        if len(written):
+            key = tuple((tuple(old.shape), old.dtype.name) for old in written.before)
+            if key not in self._window_starts:
+                self._window_starts[key] = WindowStart(written)
+            start = self._window_starts[key].take(written, tf.equal(count, 1))
+        self._finish(count >= self.accumulation_steps, window, count, scale,
+                     lambda skipped: written.restore(skipped, start))
+
+    def _finish(self, end, window, count, scale, restore):
+        divisor = tf.cast(tf.maximum(count, 1), tf.float32)
+        if allreduce.reduces_here(self.allreduce_dtype, tf.distribute.get_replica_context()):
+            run_if(end, self._reduce_and_apply, window, divisor, scale, restore)  # one half all-reduce
+        else:
+            clean = tf.equal(tf.reduce_sum(window), 0.0)
+            means = [acc / divisor if on else None for acc, on in zip(self._accumulators, self._accumulated)]
+            self._apply_if(tf.logical_and(end, clean), means, self._weights.variables)
+            self._record_step(clean, window, scale, active=end)
+            restore(tf.logical_and(end, tf.logical_not(clean)))
+        for acc in self._accumulators:
+            acc.assign(tf.where(end, tf.zeros_like(acc), acc))
+        self._micro_step.assign(tf.where(end, tf.zeros_like(count), count))
+        self._window_nonfinite.assign(tf.where(end, tf.zeros_like(window), window))
+
+    def _reduce_and_apply(self, window, divisor, scale, restore):
+        """The window's scaled means summed in `allreduce_dtype`; a replica that overflowed sends NaN."""
+        means = [acc * (scale / divisor) if on else None for acc, on in zip(self._accumulators, self._accumulated)]
+        sums = allreduce.all_reduce(means, self._weights.variables, self.allreduce_dtype,
+                                    poison=[window[i] > 0 for i in range(len(means))])
+        nonfinite = self._nonfinite(sums, self._weights.variables)
+        finite = tf.equal(tf.reduce_sum(nonfinite), 0.0)
+        self._apply_if(finite, [None if s is None else s / scale for s in sums], self._weights.variables)
+        restore(tf.logical_not(finite))
+        self._record_step(finite, nonfinite, scale)
 
 
 def variables_of(model_or_variables):
