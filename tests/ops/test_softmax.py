@@ -1,8 +1,7 @@
 """kmix.ops.masked_softmax / masked_log_softmax against a float64 NumPy reference.
 
-The reference works row by row: it picks the kept entries of each row with
-boolean indexing and applies the textbook formulas to them alone, so it shares
-none of the `where` machinery of the code under test.
+The reference picks each row's kept entries by boolean indexing and applies the textbook formulas to them
+alone: it shares none of the `where` machinery of the code under test.
 """
 
 import itertools
