@@ -20,8 +20,7 @@ THRESHOLD = -1e3  # documented: a bias at or below this masks its position
 def reference(logits, mask=None, bias=None, axis=-1, upstream=None, log=False):
     """Float64 softmax (or log-softmax) and, given `upstream`, the analytic gradient: `(out, grad)`.
 
-    `grad` is dL/dlogits for L = sum(upstream * out), None without `upstream`.
-    """
+    `grad` is dL/dlogits for L = sum(upstream * out), None without `upstream`."""
     x = np.array(logits, np.float64)
     keep = np.ones(x.shape, bool)
     if mask is not None:
