@@ -186,5 +186,6 @@ def _objects(model):
     return found
 
 
-_PUTTING_BACK = {Preserved.__exit__.__code__, Preserved._put_back.__code__, Preserved.restore_layers.__code__,
-                 Preserved.restore_variables.__code__}
+# Only the exit's putting back: `restore_layers` / `restore_variables` called by a kmix call on its way (recommend
+# between routes) stay interruptible, or a Ctrl-C there would wait for the whole call.
+_PUTTING_BACK = {Preserved.__exit__.__code__, Preserved._put_back.__code__}
