@@ -7,6 +7,7 @@ One pass, its stages read top to bottom in `_place`; only `write` writes to the 
 3. place (`write.place`): each layer takes its policy on itself;
 4. twin (`write.write_maps`, `twin.build`): the blocks that re-create placed layers given maps of the
    placement, then the model serialized once and rebuilt as `load_model` rebuilds it, without weights;
+   where a reload names layers anew, the twin's maps foresee it (`renaming`), and the maps are keyed by its paths;
 5. settle (`twin.compare`, `write.settle`): what the model takes from its twin, read, then written;
 6. repair (`repair.repair`): the model called once; where two dtypes meet in a block, the plan gives way (4-6 again);
 7. check (`twin.check`): the twin, run on the model's own variables, predicts bit for bit what the
@@ -23,12 +24,12 @@ from kmix import _checks, _compat, _preserved
 from kmix._state import record_model
 from kmix._tree import is_graph_model, own_weights, resolved_policy
 from kmix.diagnose import islands
-from kmix.placing import repair, trace, twin, write
+from kmix.placing import renaming, repair, trace, twin, write
 from kmix.placing.records import record_model_level, warn_if_unscaled
 from kmix.placing.rules import Kind, Rules, gather
 from kmix.policy.policy import parse
 
-_ROUNDS = 4  # twins built at most: one more where a reload renames layers, one per repair that changed the plan
+_ROUNDS = 4  # placements twinned at most: the plan's, and one per repair that changed it
 
 Placement = collections.namedtuple("Placement", "layer cls before after reason")
 Placement.__doc__ = """One row of `autocast`'s table: a layer's path and class, its policy before and
@@ -118,13 +119,9 @@ def _place(model, rules, specs, copy, advised, float32_layers):
     before = {id(row.layer): (resolved_policy(row.layer).name, type(row.layer)) for row in plan}
 
     write.place(plan)
-    repaired, built, renamed, outputs, holders = repair.Repaired({}, {}), None, False, None, []
-    for round_ in range(_ROUNDS):  # one twin, unless a reload renames layers or the repair changes the plan
-        holders, keys = write.write_maps(plan, built and built.model, holders)
-        built = twin.build(model, [row.layer for row in plan])
-        if keys and not renamed and round_ < _ROUNDS - 1 and twin.unmapped(plan, built, keys):
-            renamed = True  # its blocks name their layers anew (DINOV3): the maps keyed by the twin's paths
-            continue
+    repaired, built, outputs, holders = repair.Repaired({}, {}), None, None, []
+    for round_ in range(_ROUNDS):  # one twin, and one more where the repair changes the plan
+        built, holders = _twin(model, plan, built, holders)
         verdict, edits = twin.compare(model, built, rules.default.name)
         write.settle(model, edits)
         if round_ == _ROUNDS - 1:
@@ -145,6 +142,25 @@ def _place(model, rules, specs, copy, advised, float32_layers):
         _explain(table, plan, advised.targets, float32_layers)
         _check_finite(model, advised)
     return model, table
+
+
+def _twin(model, plan, previous, holders):
+    """The placement's `Twin`, and the blocks holding maps of it: one build, where its maps foresee a reload's names.
+
+    The maps are keyed by the model's paths (and a `previous` twin's); where the twin names layers anew, its maps
+    gave them the policies of the layers they rename (`renaming.TwinMaps`), and the maps are keyed by the twin's
+    paths too. Where those give a path otherwise than the twin was given, the twin is built again from them.
+    """
+    layers = [row.layer for row in plan]
+    before = write.write_maps(plan, previous and previous.model, holders)
+    maps = renaming.TwinMaps(renaming.renamed_policies(plan)) if before.holders else None
+    built = twin.build(model, layers, maps)
+    if built.error is not None or maps is None:
+        return built, before.holders
+    after = write.write_maps(plan, built.model, before.holders) if maps.missed() else before
+    if not maps.foresaw(before, after):
+        built = twin.build(model, layers)  # a reload's names no map foresaw: the twin of the maps written
+    return built, after.holders
 
 
 def _plan(model, rules, specs):

@@ -8,7 +8,6 @@ import collections
 import copy
 import inspect
 import os
-import re
 import tempfile
 import warnings
 
@@ -24,9 +23,9 @@ from kmix.placing.write import Edits, is_constant
 
 _OUT_OF_MEMORY = (MemoryError, tf.errors.ResourceExhaustedError)
 
-Twin = collections.namedtuple("Twin", "model global_policy error")
+Twin = collections.namedtuple("Twin", "model global_policy error maps", defaults=(None,))
 Twin.__doc__ = """`build`'s twin (or None), the global policy object it was built under (held by its layers made
-without `dtype=`), and the error that stopped it."""
+without `dtype=`), the error that stopped it, and the `renaming.TwinMaps` that made its policy maps (or None)."""
 
 
 class Verdict:
@@ -47,22 +46,30 @@ class Verdict:
         self.load_under, self.error, self.difference, self.unchecked = None, error, None, None
 
 
-def build(model, layers=None):
-    """The `Twin` of `model` (`layers`: those inside it): serialized once, built without weights where Keras can."""
+def build(model, layers=None, maps=None):
+    """The `Twin` of `model` (`layers`: those inside it): serialized once, built without weights where Keras can.
+
+    `maps`, a `renaming.TwinMaps`, makes the twin's policy maps (they foresee the layers a reload renames).
+    """
     previous = keras.config.dtype_policy()
     sentinel, twin = keras.DTypePolicy(previous.name), None
     keras.config.set_dtype_policy(sentinel)
+    scope = {**user_classes(model, layers), **(maps.custom_objects() if maps is not None else {})}
     try:
-        with keras.saving.custom_object_scope(user_classes(model, layers)), warnings.catch_warnings():
+        with keras.saving.custom_object_scope(scope), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Keras's build warnings were shown when the model was made
             config, error = trace.attempt(_config, model)
+            if error is None and maps is not None:
+                maps.prepare(config)
             if error is None:
                 twin, error = trace.attempt(_stateless, config)
             if error is not None and config is not None:  # a variable made from a constant: built with weights
+                if maps is not None:
+                    maps.made.clear()  # those of the build that failed
                 twin, error = trace.attempt(keras.saving.deserialize_keras_object, config, safe_mode=False)
     finally:
         keras.config.set_dtype_policy(previous)
-    return Twin(twin, sentinel, error)
+    return Twin(twin, sentinel, error, maps)
 
 
 def _config(model):
@@ -99,14 +106,6 @@ def differences(model, twin, rows=None):
         if mine != got:
             found[id(layer)] = (layer, path, mine, got, other)
     return found
-
-
-def unmapped(plan, twin, keys):
-    """Whether a layer inside a block that its twin places otherwise has a path there no key of the maps covers."""
-    found = differences(plan.model, twin.model) if twin.error is None else {}
-    return any(other is not None and other.path and id(layer) not in plan.listed
-               and not any(re.fullmatch(key, other.path) for key in keys)
-               for layer, _, _, _, other in found.values() if layer is not plan.model)
 
 
 def describe(layer):

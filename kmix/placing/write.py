@@ -18,6 +18,10 @@ from kmix.ops import float32_out
 from kmix.placing import trace
 from kmix.placing.rules import Kind, safe_replacements
 
+Maps = collections.namedtuple("Maps", "holders entries default")
+Maps.__doc__ = """What `write_maps` wrote: the blocks given a map, the `{key: policy}` each map holds (and a holder
+its own path, where no key names it), the policy of a layer no key names."""
+
 Edits = collections.namedtuple("Edits", "policies nodes settings constants", defaults=((), (), (), ()))
 Edits.__doc__ = """What the model takes from its twin: `policies` [(layer, name)] its blocks give, graph `nodes`
 [(node, args, kwargs)] with rebuilt constants, operation `settings` [(op, name, value)], layer `constants`."""
@@ -85,7 +89,8 @@ def write_maps(plan, twin=None, holders=()):
 
     A reload re-creates a block's layers with the block's policy; a map keyed by path (where Keras's and
     keras-hub's layers look theirs up) keeps them as placed. The blocks up to one whose config is saved (or
-    the model) get one, `holders` anew; keyed by the paths of a `twin` built before too. Returns `(holders, keys)`.
+    the model) get one, `holders` anew; keyed by the paths of a `twin` built before too, but for those whose first
+    step Keras counted (a reload counts it anew). Returns the `Maps`.
     """
     placed = [row.layer for row in plan if row.dtype is not None and id(row.layer) not in plan.listed
               and resolved_policy(row.layer).name != resolved_policy(row.parent).name]
@@ -96,7 +101,7 @@ def record_maps(model, found, twin=None):
     """Gives maps to the blocks that re-create the layers of `found` (`twin.differences(model, twin)`)."""
     rows = list(walk(model))
     listed = {id(layer) for _, layer, parent in rows if _compat.lists_layers(parent)}
-    return _give_maps(model, rows, [row[0] for row in found.values() if row[0] is not model], listed, twin)[0]
+    return _give_maps(model, rows, [row[0] for row in found.values() if row[0] is not model], listed, twin).holders
 
 
 def _give_maps(model, rows, layers, listed, twin, given=()):
@@ -112,9 +117,12 @@ def _give_maps(model, rows, layers, listed, twin, given=()):
                 break
             block = parents[id(block)]
     if not holders:
-        return [], set()
+        return Maps([], {}, None)
     named = [(layer, layer) for _, layer, _ in rows]  # (the layer whose path is the key, the layer placed)
-    named += [(other, layer) for _, layer, _, other in pair(model, twin)[1:] if other is not None] if twin else []
+    if twin is not None:  # and the twin's paths, but those whose first step Keras counted (anew in each reload)
+        theirs = [(other, layer) for _, layer, _, other in pair(model, twin)[1:] if other is not None and other.path]
+        tops = {other.path: other for other, _ in theirs}
+        named += [(other, layer) for other, layer in theirs if not is_auto_named(tops.get(other.path.split("/")[0]))]
     entries, default = _entries(named), _default(rows)
     for block in holders.values():
         dtype_map = keras.dtype_policies.DTypePolicyMap(default_policy=default)
@@ -128,7 +136,7 @@ def _give_maps(model, rows, layers, listed, twin, given=()):
             _compat.replace_dtype_policy(block, dtype_map)
         else:
             block.dtype_policy = dtype_map
-    return list(holders.values()), set(entries)
+    return Maps(list(holders.values()), entries, default)
 
 
 def _entries(pairs):
