@@ -111,6 +111,7 @@ class Preserved:
         return lost
 
     def __exit__(self, *exc):
+        self._signals.holding = True  # from here a Ctrl-C waits (on this line too: the handler reads the code run)
         if self._undo == "never" or (self._undo == "on_error" and exc[0] is None):
             shutil.rmtree(self._dir, ignore_errors=True)
             self._signals.close()
@@ -142,17 +143,14 @@ class _ExitGuard:
     """
 
     def __init__(self):
-        self.received, self.previous = [], None
+        self.received, self.previous, self.holding = [], None, False
         if threading.current_thread() is threading.main_thread():
             self.previous = signal.signal(signal.SIGINT, self._handle)
 
     def _handle(self, signum, frame):
-        caller = frame
-        while caller is not None:
-            if caller.f_code in _PUTTING_BACK:
-                self.received.append(signum)
-                return
-            caller = caller.f_back
+        if self.holding or frame.f_code is _EXIT:  # `holding` is set by __exit__'s first line
+            self.received.append(signum)
+            return
         if callable(self.previous):
             self.previous(signum, frame)
         elif self.previous != signal.SIG_IGN:
@@ -188,4 +186,4 @@ def _objects(model):
 
 # Only the exit's putting back: `restore_layers` / `restore_variables` called by a kmix call on its way (recommend
 # between routes) stay interruptible, or a Ctrl-C there would wait for the whole call.
-_PUTTING_BACK = {Preserved.__exit__.__code__, Preserved._put_back.__code__}
+_EXIT = Preserved.__exit__.__code__
