@@ -1,14 +1,8 @@
 """Gradient all-reduce in float16 or bfloat16 (`allreduce_dtype`), checked on the sums.
 
-Half the bytes of float32 on the wire (Apex, DeepSpeed, torch's `fp16_compress_hook`):
-
-    g = float32(g) * m              # m = 1 for scaled gradients, the loss scale for unscaled ones
-    b = all_reduce(SUM, max|g|)     # float16 only: one float32 per variable
-    w = 2^(14 - exponent(b))        # float16 only: no partial sum can overflow; 1 where b is not finite
-    s = all_reduce(SUM, half(g * w)) / w
-    finite = all(isfinite(s))       # the same on every replica: an inf anywhere skips the step everywhere
-
-Each replica's gradient is its share of the mean (Keras divides the loss by the replicas): the sum is the mean.
+    g = float32(g) * m                             # m: 1 for scaled gradients, the loss scale for unscaled ones
+    w = 2^(14 - exponent(all_reduce_sum(max|g|)))  # float16 only: no partial sum overflows; 1 if not finite
+    s = all_reduce_sum(half(g * w)) / w            # finite on every replica or on none
 """
 
 import tensorflow as tf
@@ -24,10 +18,8 @@ def check_dtype(value):
     name = getattr(value, "name", value)  # tf.float16, np.dtype("float16")
     if isinstance(name, str) and name in ACCEPTED:
         return name
-    raise ValueError(
-        "`allreduce_dtype` must be 'float16', 'bfloat16' or None (gradients reduced in their "
-        f"own dtype, float32 for float32 variables). Received: allreduce_dtype={value!r}"
-    )
+    raise ValueError("`allreduce_dtype` must be 'float16', 'bfloat16' or None (gradients reduced in their own dtype, "
+                     f"float32 for float32 variables). Received: allreduce_dtype={value!r}")
 
 
 def reduces_here(allreduce_dtype, replica_context):
@@ -36,36 +28,31 @@ def reduces_here(allreduce_dtype, replica_context):
 
 
 def all_reduce(grads, variables, allreduce_dtype, multiplier=None, poison=None):
-    """The float32 sums over every replica of `gradient * multiplier`, reduced in `allreduce_dtype`.
+    """The float32 sums over every replica of `grads` (None, tensors or `tf.IndexedSlices`), reduced in half.
 
     Args:
-        grads: one gradient (tensor, `tf.IndexedSlices` or None) per variable.
-        variables: the variables (`overwrite_with_gradient` ones are not reduced, as in Keras).
-        allreduce_dtype: `"float16"` or `"bfloat16"`.
         multiplier: a float32 scalar (the loss scale, for unscaled gradients), or None.
         poison: None, or a boolean per gradient: True sends NaN (an overflow earlier in this replica's window).
     """
     dtype = _DTYPES[allreduce_dtype]
-    indices = [
-        i for i, (g, v) in enumerate(zip(grads, variables))
-        if g is not None and not getattr(v, "overwrite_with_gradient", False)
-    ]
+    indices = [i for i, (g, v) in enumerate(zip(grads, variables))
+               if g is not None and not getattr(v, "overwrite_with_gradient", False)]
     if not indices:
         return list(grads)
     ctx = tf.distribute.get_replica_context()
-    values = [_map_values(grads[i], lambda x: _times(x, multiplier)) for i in indices]
+    m = None if multiplier is None else tf.cast(multiplier, tf.float32)
+    times = (lambda x: tf.cast(x, tf.float32)) if m is None else (lambda x: tf.cast(x, tf.float32) * m)
+    values = [map_values(grads[i], times) for i in indices]
     wire = [None] * len(values)
     if dtype == tf.float16:
-        peaks = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.stack([_peak(_dense(v)) for v in values]))
+        peaks = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.stack([_peak(values_of(v)) for v in values]))
         wire = tf.unstack(wire_scales(peaks))
-    sent = []
-    for k, (i, v) in enumerate(zip(indices, values)):
-        bad = None if poison is None else poison[i]
-        sent.append(_map_values(v, lambda x, w=wire[k], bad=bad: _to_half(x, dtype, w, bad)))
+    sent = [map_values(v, lambda x, w=w, bad=None if poison is None else poison[i]: _to_half(x, dtype, w, bad))
+            for i, v, w in zip(indices, values, wire)]
     sums = ctx.all_reduce(tf.distribute.ReduceOp.SUM, sent)
     out = list(grads)
-    for k, (i, s) in enumerate(zip(indices, sums)):
-        out[i] = _map_values(s, lambda x, w=wire[k]: _from_half(x, w))
+    for i, s, w in zip(indices, sums, wire):
+        out[i] = map_values(s, lambda x, w=w: tf.cast(x, tf.float32) if w is None else tf.cast(x, tf.float32) / w)
     return out
 
 
@@ -79,34 +66,23 @@ def wire_scales(bounds):
     return tf.where(tf.math.is_finite(bounds), scale, tf.ones_like(scale))
 
 
-def _times(x, multiplier):
-    x = tf.cast(x, tf.float32)
-    return x if multiplier is None else x * tf.cast(multiplier, tf.float32)
+def values_of(g):
+    """A gradient's values: `g.values` for `tf.IndexedSlices`, else `g`."""
+    return g.values if isinstance(g, tf.IndexedSlices) else g
+
+
+def map_values(g, fn):
+    """`fn` applied to a gradient's values, `tf.IndexedSlices` kept sparse."""
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(fn(g.values), g.indices, g.dense_shape)
+    return fn(g)
 
 
 def _to_half(x, dtype, wire, bad):
-    if wire is not None:
-        x = x * wire
-    if bad is not None:
-        x = tf.where(bad, tf.fill(tf.shape(x), float("nan")), x)
-    return tf.cast(x, dtype)
-
-
-def _from_half(x, wire):
-    x = tf.cast(x, tf.float32)
-    return x if wire is None else x / wire
+    x = x if wire is None else x * wire
+    return tf.cast(x if bad is None else tf.where(bad, tf.fill(tf.shape(x), float("nan")), x), dtype)
 
 
 def _peak(x):
     """max |x|, 0 for an empty tensor; two reductions that write nothing (`abs` would write a copy of x)."""
     return tf.maximum(tf.maximum(tf.reduce_max(x), -tf.reduce_min(x)), 0.0)
-
-
-def _dense(g):
-    return g.values if isinstance(g, tf.IndexedSlices) else g
-
-
-def _map_values(g, fn):
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(fn(g.values), g.indices, g.dense_shape)
-    return fn(g)

@@ -21,17 +21,9 @@ _log = logging.getLogger("kmix")
 class LossScaleOptimizer(scaling.Settling, steps.Accumulation, keras.optimizers.LossScaleOptimizer):
     """A `keras.optimizers.LossScaleOptimizer` with bounds, hysteresis, counters and float32 master weights.
 
-    Each step: all-reduce (in `allreduce_dtype`, or by the inner optimizer); if every gradient is finite,
-    the inner optimizer applies `grads / scale` in float32 (on master copies where there are some), else the
-    step is skipped and what its forward pass wrote is put back; then `scaling.ScaleRule.adjust`. Every
-    argument is kept by `get_config`. `"auto"` is decided in `build`: dynamic where the variables are
-    float16, were placed to compute in float16, or belong to the model given to `track`; else at the first
-    traced step if it computes in float16; else a fixed scale of 1 (docs/guide.md).
-
     Args:
         inner_optimizer: the `keras.optimizers.Optimizer` to wrap.
-        initial_scale: the first scale, > 0, or `"auto"`: the scale
-            `kmix.autocast(..., sample=)` advised, else 2^15 (1 when fixed).
+        initial_scale: the first scale, > 0, or `"auto"` (the scale `kmix.autocast` advised, else 2^15; 1 if fixed).
         growth_interval: finite steps between two growths (`dynamic_growth_steps`, Keras's name, too).
         growth_factor: the scale's factor on growth, > 1.
         backoff_factor: the scale's factor on overflow, in (0, 1).
@@ -40,15 +32,13 @@ class LossScaleOptimizer(scaling.Settling, steps.Accumulation, keras.optimizers.
         dynamic: True, False (a fixed scale; non-finite steps still skipped) or `"auto"`.
         master_weights: `"auto"` (on unless the policy asks for half parameters without, as O3), True
             (float32 copies of half trainable variables), False, or `"kahan"` (a 2-byte remainder each).
-        accumulation_steps: micro-batches per step; their float32 gradients are averaged, one overflow
-            skips the window (`flush` applies a partial one).
+        accumulation_steps: micro-batches per step, their float32 gradients averaged; an overflow skips the window.
         allreduce_dtype: None, or `"float16"` / `"bfloat16"`: gradients summed over replicas in that dtype.
         restore_on_skip: a skipped step puts back what its forward pass wrote (batch-norm statistics).
         fused_update: exact Adam / AdamW update dense float32 variables on TensorFlow's fused kernel.
         name: the optimizer's name.
 
     Example:
-
     >>> opt = kmix.LossScaleOptimizer(keras.optimizers.Adam(1e-3), hysteresis=2)
     >>> model.compile(optimizer=opt, loss="mse")
     >>> model.fit(x, y)
@@ -86,8 +76,7 @@ class LossScaleOptimizer(scaling.Settling, steps.Accumulation, keras.optimizers.
         self.backoff_factor = checks.real("backoff_factor", backoff_factor, low=0.0, high=1.0, low_open=True,
                                           high_open=True)
         self.hysteresis = scaling.count("hysteresis", hysteresis)
-        self.min_scale, self.max_scale = min_scale, max_scale
-        self._bounds = (min_scale, max_scale)
+        self.min_scale, self.max_scale = self._bounds = (min_scale, max_scale)
         self._master_weights_request = master_weights
         self.accumulation_steps = scaling.count("accumulation_steps", accumulation_steps)
         self.allreduce_dtype = allreduce.check_dtype(allreduce_dtype)
@@ -122,7 +111,7 @@ class LossScaleOptimizer(scaling.Settling, steps.Accumulation, keras.optimizers.
         self._growth_interval_var = self._int_variable("current_growth_interval", self.growth_interval)
         if self.accumulation_steps > 1:
             self._accumulators = [self.add_variable(tuple(v.shape), dtype="float32", initializer="zeros",
-                                                    aggregation="none", name="accumulator_" + _slug(v))
+                                                    aggregation="none", name="accumulator_" + updates.slug(v))
                                   for v in var_list]
             self._micro_step = self._int_variable("micro_step")
             self._window_nonfinite = self.add_variable((len(var_list),), dtype="float32", initializer="zeros",
@@ -136,7 +125,6 @@ class LossScaleOptimizer(scaling.Settling, steps.Accumulation, keras.optimizers.
     def _scaled(self):
         return bool(self.dynamic or self.initial_scale != 1.0)
 
-    # ------------------------------------------------------------ what it holds
     @property
     def loss_scale(self):
         """The current loss scale, a float32 scalar tensor; before `build`, the one it will start from."""
@@ -171,7 +159,6 @@ class LossScaleOptimizer(scaling.Settling, steps.Accumulation, keras.optimizers.
         counts = self.overflow_counts
         return scaling.report([getattr(v, "path", None) or v.name for v in self._weights.variables], counts, top)
 
-    # ------------------------------------------------------------ the routes in
     def scale_loss(self, loss):
         """`loss * loss_scale` (what Keras's trainer calls); marks the step's gradients as scaled."""
         self._marks.scaled(loss)
@@ -201,8 +188,7 @@ class LossScaleOptimizer(scaling.Settling, steps.Accumulation, keras.optimizers.
         Args:
             grads: one gradient (or None) per variable.
             trainable_variables: the variables; those it was built with by default.
-            scaled: None: decided from the traced step (`kmix.optimizers.steps`); True: divide by the
-                scale; False: use as given.
+            scaled: None (decided from the traced step), True (divide by the scale) or False (use as given).
 
         Returns:
             The optimizer's `iterations`.
@@ -230,10 +216,8 @@ class LossScaleOptimizer(scaling.Settling, steps.Accumulation, keras.optimizers.
     def track(self, model):
         """Names the model this optimizer trains: a skipped step puts back only its variables (a GAN's two).
 
-        `fit` and custom loops need no call; given before `build`, it also tells `"auto"` about float16 layers.
-
         Args:
-            model: a `keras.Model` or layer, or a list of variables.
+            model: a `keras.Model` or layer, or a list of variables (`fit` and custom loops need no call).
 
         Returns:
             The optimizer.
@@ -241,7 +225,11 @@ class LossScaleOptimizer(scaling.Settling, steps.Accumulation, keras.optimizers.
         Example:
             >>> g_opt = kmix.wrap(keras.optimizers.Adam(1e-3)).track(generator)
         """
-        variables = steps.variables_of(model)
+        if not isinstance(model, keras.layers.Layer) and not (isinstance(model, (list, tuple)) and all(
+                isinstance(v, (keras.Variable, tf.Variable)) for v in model)):
+            raise TypeError("`track` takes a keras.Model (or layer) or a list of variables. Received: "
+                            f"{model!r} (of type {type(model).__name__}).")
+        variables = model.variables if isinstance(model, keras.layers.Layer) else model
         # A weak reference: saving walks the optimizer's attributes, and the model holds the optimizer.
         self._tracked = (weakref.ref(model) if isinstance(model, keras.Model)
                          else types.SimpleNamespace(variables=tuple(variables)))  # not tracked for saving
@@ -250,7 +238,6 @@ class LossScaleOptimizer(scaling.Settling, steps.Accumulation, keras.optimizers.
     def _tracked_model(self):
         return self._tracked() if isinstance(self._tracked, weakref.ref) else None
 
-    # ------------------------------------------------------------ one step
     def _apply_checked(self, grads, trainable_variables, scaled, loss=None):
         if not self.built:
             self.build(trainable_variables)
@@ -274,9 +261,8 @@ class LossScaleOptimizer(scaling.Settling, steps.Accumulation, keras.optimizers.
         divisor = scale if scaled and self._scaled() else None  # a fixed scale of 1: nothing to divide by
         unscaled = [g if g is None or getattr(v, "overwrite_with_gradient", False) else steps.unscale(g, divisor)
                     for g, v in zip(grads, variables)]
-        only = getattr(self._tracked, "variables", None)
-        if isinstance(self._tracked, weakref.ref):
-            only = None if self._tracked() is None else self._tracked().non_trainable_variables
+        model = self._tracked_model()  # else the variables given to `track`, or None
+        only = getattr(self._tracked, "variables", None) if model is None else model.non_trainable_variables
         written = steps.Written(self._weights.variables, loss, only, enabled=self.restore_on_skip)
         self._written_in_last_trace = len(written)  # how many variables a skipped step puts back (tests)
         if self.accumulation_steps == 1:
@@ -299,8 +285,8 @@ class LossScaleOptimizer(scaling.Settling, steps.Accumulation, keras.optimizers.
 
     def _nonfinite(self, grads, variables):
         """A float32 vector over the built variables: 1 where the gradient is non-finite."""
-        slots = {self._weights.index[id(v)]: tf.reduce_all(tf.math.is_finite(
-            g.values if isinstance(g, tf.IndexedSlices) else g)) for g, v in zip(grads, variables) if g is not None}
+        slots = {self._weights.index[id(v)]: tf.reduce_all(tf.math.is_finite(allreduce.values_of(g)))
+                 for g, v in zip(grads, variables) if g is not None}
         count = len(self._weights.variables)
         if not slots:
             return tf.zeros((count,), tf.float32)
@@ -339,7 +325,6 @@ class LossScaleOptimizer(scaling.Settling, steps.Accumulation, keras.optimizers.
             return
         super().finalize_variable_values(var_list)
 
-    # ------------------------------------------------------------ saving and config
     def save_own_variables(self, store):
         """Keras's state by position, and the layout of its opt level (`kmix.optimizers.saved_level`)."""
         super().save_own_variables(store)
@@ -372,7 +357,3 @@ class LossScaleOptimizer(scaling.Settling, steps.Accumulation, keras.optimizers.
 
 _CONFIG = ("growth_interval", "growth_factor", "backoff_factor", "hysteresis", "min_scale", "max_scale",
            "accumulation_steps", "allreduce_dtype", "restore_on_skip", "fused_update")
-
-
-def _slug(v):
-    return (getattr(v, "path", None) or v.name).replace("/", "_").replace(":", "_")

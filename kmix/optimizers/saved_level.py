@@ -1,10 +1,4 @@
-"""The opt level an optimizer's saved state was written at, and reading it at another level.
-
-A weights store (key `kmix_layout`) from another level is converted; a `tf.train.Checkpoint` (dependency
-`kmix_layout`) at another layout raises naming both levels before any value is read (docs/guide.md).
-
->>> o2_model.load_weights("o1.weights.h5")  # at O2: float16 weights, master copies made from them
-"""
+"""The opt level an optimizer's saved state was written at, and reading it at another level (docs/guide.md)."""
 
 import dataclasses
 import json
@@ -15,6 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from kmix import _compat, _state
+from kmix.optimizers.updates import HALF
 
 RECORD_NAME = "kmix_layout"  # the key in a weights store, the dependency in a checkpoint
 _STATE_WORDS = {"masters": "float32 master copies", "kahan": "Kahan remainders (master_weights='kahan')",
@@ -43,8 +38,7 @@ class Layout:
         dtypes = Counter(keras.backend.standardize_dtype(v.dtype) for v in var_list)
         level = " + ".join(sorted({p.level for p in _state.placed(var_list)}))
         if not level:
-            halves = [d for d in ("float16", "bfloat16") if dtypes[d]]
-            half = max(halves, key=lambda d: dtypes[d]) if halves else None
+            half = max(HALF, key=lambda d: dtypes[d]) if any(dtypes[d] for d in HALF) else None
             level = "float32 or O1" if half is None else f"{'O3' if state == 'none' else 'O2'}-{half}"
         return cls(level, state, tuple(sorted(dtypes.items())), bool(scaled))
 
@@ -77,15 +71,9 @@ class Layout:
 
 
 class SavedLevel:
-    """An optimizer's layout and how its saved state is written and read; made in its `build`.
+    """An optimizer's layout, its checkpoint record, and the one loader of its state.
 
-    It gives the optimizer its checkpoint record (a read before `build` waits
-    for it) and makes it the one loader of its inner optimizer's variables.
-
-    Args:
-        optimizer: the `kmix.LossScaleOptimizer` in its `build`, before it creates variables.
-        layout: its `Layout`.
-        weights: its `updates.MasterWeights`.
+    Made by the `kmix.LossScaleOptimizer` in its `build` before its variables; `weights`: its `MasterWeights`.
     """
 
     def __init__(self, optimizer, layout, weights):
@@ -121,7 +109,7 @@ class SavedLevel:
 
     def load(self, store, keras_load, scale_state):
         """Loads `store` (Keras's or kmix's), converting from another level; `ValueError` naming both levels."""
-        view = _Without(store, RECORD_NAME)
+        view = without_record(store)
         if RECORD_NAME not in store:
             self._load_unrecorded(view, keras_load)
             return
@@ -188,23 +176,23 @@ def _check(values, message, dtypes=False):
 
 def without_record(store):
     """`store` as Keras reads it: without kmix's layout entry."""
-    return _Without(store, RECORD_NAME)
+    return _Without(store)
 
 
 class _Without:
-    """A store as Keras reads it, without one key."""
+    """A store as Keras reads it, without kmix's layout entry."""
 
-    def __init__(self, store, key):
-        self._store, self._key = store, key
+    def __init__(self, store):
+        self._store = store
 
     def keys(self):
-        return [k for k in self._store.keys() if k != self._key]
+        return [k for k in self._store.keys() if k != RECORD_NAME]
 
     def __len__(self):
         return len(self.keys())
 
     def __contains__(self, key):
-        return key != self._key and key in self._store
+        return key != RECORD_NAME and key in self._store
 
     def __getitem__(self, key):
         return self._store[key]

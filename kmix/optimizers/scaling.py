@@ -1,24 +1,8 @@
-"""The loss scale: its rule as a pure function, the constructor's checks, and where an `"auto"` scale starts.
-
-The rule, per optimizer step (`ScaleRule.adjust`; with `hysteresis=1` and the
-bounds out of reach it is `torch.amp.GradScaler`'s trajectory, with
-`hysteresis=2` Megatron-LM's):
-
-```
-if not finite:                         # the step is skipped
-    good_steps = 0; hysteresis_left = max(hysteresis_left - 1, 0)
-    if dynamic and hysteresis_left == 0: scale = max(scale * backoff_factor, min_scale)
-else:
-    good_steps += 1
-    if dynamic and good_steps >= growth_interval:
-        good_steps = 0; hysteresis_left = hysteresis; scale = min(scale * growth_factor, max_scale)
-```
-"""
-
-from typing import NamedTuple
+"""The loss scale: its rule as a pure function, the constructor's checks, and where an `"auto"` scale starts."""
 
 import logging
 import warnings
+from typing import NamedTuple
 
 import keras
 import tensorflow as tf
@@ -26,10 +10,10 @@ import tensorflow as tf
 from kmix import _checks as checks
 from kmix import _state
 from kmix.optimizers import saved_level, steps
+from kmix.optimizers.updates import HALF
 
 DEFAULT_SCALE = 2.0**15
 AUTO = "auto"
-HALF = ("float16", "bfloat16")
 _INT64_MAX = 2**63 - 1  # step counts live in int64 variables
 _log = logging.getLogger("kmix")
 
@@ -43,7 +27,15 @@ class ScaleState(NamedTuple):
 
 
 class ScaleRule(NamedTuple):
-    """How the scale reacts to one step's finite flag (the module's pseudo-code).
+    """How the scale reacts to one step's finite flag (torch's `GradScaler` at `hysteresis=1`, Megatron-LM's at 2).
+
+        if not finite:  # the step is skipped
+            good_steps = 0; hysteresis_left = max(hysteresis_left - 1, 0)
+            if dynamic and hysteresis_left == 0: scale = max(scale * backoff_factor, min_scale)
+        else:
+            good_steps += 1
+            if dynamic and good_steps >= growth_interval:
+                good_steps = 0; hysteresis_left = hysteresis; scale = min(scale * growth_factor, max_scale)
 
     `growth_interval` may be an int64 variable (`LossScaleWarmup` lowers it; `>=` then grows at the next step).
 
@@ -124,10 +116,10 @@ def check_inner(inner):
     steps = getattr(inner, "gradient_accumulation_steps", None)
     if steps:
         raise ValueError(
-            f"The inner optimizer accumulates gradients itself (gradient_accumulation_steps={steps}); under "
-            "loss scaling a skipped micro-batch would silently drop out of its sum and bias the step. "
-            f"Received: inner_optimizer.gradient_accumulation_steps={steps!r}. Use "
-            f"`kmix.wrap(opt, accumulation_steps={steps})` on an optimizer without it.")
+            f"The inner optimizer accumulates gradients itself (gradient_accumulation_steps={steps}); under loss "
+            "scaling a skipped micro-batch would silently drop out of its sum and bias the step. Received: "
+            f"inner_optimizer.gradient_accumulation_steps={steps!r}. Use `kmix.wrap(opt, accumulation_steps={steps})` "
+            "on an optimizer without it.")
 
 
 def auto_master_weights():

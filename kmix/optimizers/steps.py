@@ -1,15 +1,10 @@
-"""One optimizer step, read from the traced step itself: scaled or not, what its forward pass wrote, float16 or not.
-
-`apply(grads, scaled=None)` takes gradients computed from `get_unscaled_gradients`' results as given, divides
-by the scale where the step's loss went through `scale_loss`, else takes them as given and warns once. "The
-step": the outermost `tf.function` graph being traced (or eager execution), per thread.
-"""
+"""One optimizer step, read from the traced step itself: scaled or not, what its forward pass wrote, float16 or not."""
 
 import threading
+import types
 import warnings
 import weakref
 
-import keras
 import tensorflow as tf
 
 from kmix import _compat
@@ -20,16 +15,11 @@ _READS = {"ReadVariableOp", "VarIsInitializedOp", "VariableShape", "ResourceGath
 _EAGER = "eager"
 
 
-class _Marks:
-    def __init__(self):
-        self.scaled_loss, self.loss, self.unscaled, self.scaled = False, None, {}, {}
-
-
 class StepMarks:
-    """What the steps being traced did so far, per (trace, thread): scaled a loss, unscaled which tensors."""
+    """What each step being traced (or run eagerly) did so far, per thread: scaled a loss, unscaled which tensors."""
 
     def __init__(self):
-        self._steps = {}  # (id(graph) or _EAGER, thread id) -> _Marks
+        self._steps = {}  # (id(graph) or _EAGER, thread id) -> what that step did
         self._graphs = weakref.WeakValueDictionary()  # id -> graph: a dead graph's id is no key
         self.warned = set()
 
@@ -46,7 +36,8 @@ class StepMarks:
         return id(graph), threading.get_ident()
 
     def _marks(self):
-        return self._steps.setdefault(self._key(), _Marks())
+        marks = types.SimpleNamespace(scaled_loss=False, loss=None, unscaled={}, scaled={})
+        return self._steps.setdefault(self._key(), marks)
 
     def scaled(self, loss):
         """`scale_loss(loss)` ran in this step (and, traced, on this loss)."""
@@ -87,7 +78,7 @@ class StepMarks:
 
 
 def _tensors(grads):
-    return [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
+    return [allreduce.values_of(g) for g in grads if g is not None]
 
 
 def _is(table, t):
@@ -97,11 +88,7 @@ def _is(table, t):
 
 def _computed_from(tensor, unscaled, scaled):
     """True if `tensor` is, or is computed from, one of `unscaled` (not past `scaled`); None eagerly if unknown."""
-    if _is(unscaled, tensor):
-        return True
-    if _is(scaled, tensor):
-        return False
-    if not hasattr(tensor, "graph") or tf.executing_eagerly():
+    if not (_is(unscaled, tensor) or _is(scaled, tensor)) and (not hasattr(tensor, "graph") or tf.executing_eagerly()):
         return None
     seen, stack = set(), [tensor]
     while stack:
@@ -148,7 +135,7 @@ def _unscaled_message(optimizer, route, kind):
 def unscale(g, scale):
     """`g / scale` in float32 for half gradients (IndexedSlices kept sparse); `scale=None`: no division."""
     if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(unscale(g.values, scale), g.indices, g.dense_shape)
+        return allreduce.map_values(g, lambda x: unscale(x, scale))
     if g.dtype in (tf.float16, tf.bfloat16):
         g = tf.cast(g, tf.float32)
     return g if scale is None else g / tf.cast(scale, g.dtype)
@@ -156,23 +143,15 @@ def unscale(g, scale):
 
 def computes_in_float16(grads):
     """Whether the traced step computed `grads` through a float16 operation (False eagerly)."""
-    seen, stack = set(), [t for t in _tensors(grads) if hasattr(t, "op")]
-    while stack:
-        op = stack.pop().op
-        if op in seen:
-            continue
-        seen.add(op)
-        if any(t.dtype == tf.float16 for t in op.outputs):
-            return True
-        stack.extend(op.inputs)
-    return False
+    ops = _ancestors([t.op for t in _tensors(grads) if hasattr(t, "op")])
+    return any(t.dtype == tf.float16 for op in ops for t in op.outputs)
 
 
 class Written:
     """What the traced step's forward pass wrote before `apply`, and each variable's value before its first write.
 
-    Not: the trained variables, writes computed from the loss (metrics) or from gradients (another optimizer),
-    writes sharing nothing with the loss, variables outside `only`. Eagerly: nothing.
+    Not: the trained variables, writes computed from the loss (metrics) or gradients (another optimizer) or
+    sharing nothing with the loss, variables outside `only`. Eagerly: nothing.
     """
 
     def __init__(self, trained=(), loss=None, only=None, enabled=True):
@@ -300,17 +279,6 @@ class Accumulation:
         self._record_step(finite, nonfinite, scale)
 
 
-def variables_of(model_or_variables):
-    """The variables of a model or layer, or a list of variables; a `TypeError` for anything else."""
-    if isinstance(model_or_variables, keras.layers.Layer):
-        return list(model_or_variables.variables)
-    if isinstance(model_or_variables, (list, tuple)) and all(
-            isinstance(v, (keras.Variable, tf.Variable)) for v in model_or_variables):
-        return list(model_or_variables)
-    raise TypeError("`track` takes a keras.Model (or layer) or a list of variables. Received: "
-                    f"{model_or_variables!r} (of type {type(model_or_variables).__name__}).")
-
-
 def warn_eager_skip(optimizer, skipped):
     """Eagerly, a skipped step's forward writes cannot be found: says so (Python's filter: once per optimizer)."""
     if tf.inside_function() or not optimizer.restore_on_skip or not bool(skipped):
@@ -324,9 +292,7 @@ def warn_eager_skip(optimizer, skipped):
 def run_if(pred, fn, *args):
     """Calls `fn(*args)` on every replica where `pred` (the same on every replica) holds.
 
-    Under a strategy that updates through `merge_call` (`MirroredStrategy` on
-    CPUs, or without XLA) a merge call may not sit in a replica-context
-    `tf.cond`: the cond is taken in cross-replica context instead.
+    A merge call (`MirroredStrategy` on CPUs) may not sit in a replica-context `tf.cond`: it is taken cross-replica.
     """
     if _compat.strategy_supports_no_merge_call():
         tf.cond(pred, lambda: _nothing(fn(*args)), lambda: None)

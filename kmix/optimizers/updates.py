@@ -1,9 +1,4 @@
-"""How the inner optimizer's update reaches the model's variables: master copies, Kahan, fused Adam, SGD.
-
-`MasterWeights` keeps per half trainable variable a float32 copy (updated, copied back rounded) or, with
-`"kahan"`, a 2-byte remainder in units of its spacing: `y = update + c * unit(p); new = half(p + y);
-c = float16((y - (new - p)) / unit(new))` (optimi's and torchao's idea).
-"""
+"""How the inner optimizer's update reaches the model's variables: master copies, Kahan, fused Adam, SGD."""
 
 import functools
 
@@ -27,7 +22,6 @@ class SGD(keras.optimizers.SGD):
     `m = momentum * m - lr * g` underflows once `lr * g` < 2^-24 (O3). Same arguments as `keras.optimizers.SGD`.
 
     Example:
-
     >>> kmix.set_policy("O3")
     >>> model.compile(optimizer=kmix.wrap(kmix.optimizers.SGD(1e-3, momentum=0.9)), loss="mse")
     """
@@ -73,6 +67,11 @@ class ByIndex(dict):
     """`{index in the model's variable list: variable}` (a subclass: TF's tracking wraps plain dicts)."""
 
 
+def slug(v):
+    """`v`'s path as part of a variable name: `/` and `:` as `_`."""
+    return (getattr(v, "path", None) or v.name).replace("/", "_").replace(":", "_")
+
+
 def kind_for(request, var_list):
     """What `master_weights=request` keeps for `var_list`: `"masters"`, `"kahan"` or `"none"`."""
     if not request or not any(keras.backend.standardize_dtype(v.dtype) in HALF for v in var_list):
@@ -81,12 +80,9 @@ def kind_for(request, var_list):
 
 
 class MasterWeights:
-    """The float32 copies or Kahan buffers of an optimizer's half variables, made in its `build`.
+    """The float32 copies or Kahan buffers of `var_list`'s half variables, made by `optimizer` in its `build`.
 
-    Args:
-        optimizer: the `kmix.LossScaleOptimizer` that owns it (its `add_variable` makes the copies).
-        request: `master_weights`, `"auto"` resolved.
-        var_list: the model's variables, in the optimizer's order.
+    `request` is `master_weights` with `"auto"` resolved.
     """
 
     def __init__(self, optimizer, request, var_list):
@@ -102,13 +98,11 @@ class MasterWeights:
         for i, v in enumerate(var_list):
             if self.kind == "none" or keras.backend.standardize_dtype(v.dtype) not in HALF:
                 continue
-            name = (getattr(v, "path", None) or v.name).replace("/", "_").replace(":", "_")
+            dtype, prefix = (BUFFER_DTYPE, "kahan") if self.kind == "kahan" else ("float32", "master")
+            table[i] = copy = optimizer.add_variable(tuple(v.shape), dtype=dtype, initializer="zeros",
+                                                     aggregation="none", name=f"{prefix}_{slug(v)}")
             if self.kind == "kahan":
-                table[i] = optimizer.add_variable(tuple(v.shape), dtype=BUFFER_DTYPE, initializer="zeros",
-                                                  aggregation="none", name=f"kahan_{name}")
                 continue
-            table[i] = copy = optimizer.add_variable(tuple(v.shape), dtype="float32", initializer="zeros",
-                                                     aggregation="none", name=f"master_{name}")
             # `build` may run inside fit's first trace, whose assigns never run: init_scope runs it now. A copy
             # a checkpoint restored before the build (not zero) is kept.
             with tf.init_scope():
@@ -139,26 +133,24 @@ class MasterWeights:
         if not self.copies:
             inner.apply(grads, variables)
             return
-        indices = [self.index[id(v)] for v in variables]
-        for i in indices:  # values written behind the optimizer's back (set_weights, loading) win
-            if i in self.copies:
-                v, m = self.variables[i], self.copies[i]
-                current = tf.convert_to_tensor(v)
-                m.assign(tf.where(tf.cast(m, v.dtype) == current, m, tf.cast(current, tf.float32)))
-        inner.apply(grads, [self.copies.get(i, v) for i, v in zip(indices, variables)])
-        self._copy_back(indices)
+        for i, m in self._copies_of(variables):  # values written behind the optimizer's back (set_weights) win
+            v = self.variables[i]
+            current = tf.convert_to_tensor(v)
+            m.assign(tf.where(tf.cast(m, v.dtype) == current, m, tf.cast(current, tf.float32)))
+        inner.apply(grads, [self.copies.get(self.index[id(v)], v) for v in variables])
+        self._copy_back(variables)
 
     def finalize(self, inner, var_list):
         """The inner optimizer's `finalize_variable_values` (EMA) on the copies, copied back."""
-        indices = [self.index[id(v)] for v in var_list]
-        inner.finalize_variable_values([self.copies.get(i, v) for i, v in zip(indices, var_list)])
-        self._copy_back(indices)
+        inner.finalize_variable_values([self.copies.get(self.index[id(v)], v) for v in var_list])
+        self._copy_back(var_list)
 
-    def _copy_back(self, indices):
-        for i in indices:
-            if i in self.copies:
-                v = self.variables[i]
-                v.assign(tf.cast(tf.convert_to_tensor(self.copies[i]), v.dtype))
+    def _copies_of(self, variables):
+        return [(i, self.copies[i]) for i in (self.index[id(v)] for v in variables) if i in self.copies]
+
+    def _copy_back(self, variables):
+        for i, m in self._copies_of(variables):
+            self.variables[i].assign(tf.cast(tf.convert_to_tensor(m), self.variables[i].dtype))
 
     def take_from_model(self):
         """Copies made from the model's values (weights loaded without any), remainders zeroed."""
@@ -175,7 +167,10 @@ def unit(x, dtype):
 
 
 def compensated_add(variable, buffer, update):
-    """Adds the float32 `update` to the half `variable`, carrying its rounding remainder in `buffer`."""
+    """Adds the float32 `update` to the half `variable`, carrying its rounding remainder in `buffer`.
+
+    `y = update + c * unit(p); new = half(p + y); c = float16((y - (new - p)) / unit(new))` (optimi, torchao).
+    """
     dtype = keras.backend.standardize_dtype(variable.dtype)
     old = tf.cast(tf.convert_to_tensor(variable), tf.float32)
     y = tf.cast(update, tf.float32) + tf.cast(tf.convert_to_tensor(buffer), tf.float32) * unit(old, dtype)
@@ -208,9 +203,8 @@ class Float32View:
         self.delta = self.delta - _dense(value)
 
 
-tf.register_tensor_conversion_function(
-    Float32View, lambda view, dtype=None, name=None, as_ref=False: view.value if dtype is None
-    else tf.cast(view.value, dtype))
+tf.register_tensor_conversion_function(Float32View, lambda view, dtype=None, name=None, as_ref=False: (
+    view.value if dtype is None else tf.cast(view.value, dtype)))
 
 
 def _dense(value):
@@ -255,8 +249,7 @@ def fused(optimizer):
 def use_fused_adam(optimizer, on=True):
     """Adam's dense float32 update on TensorFlow's one-pass `ResourceApplyAdam` kernel (on=False: Keras's).
 
-    Returns:
-        Whether the fused update is in force.
+    Returns whether the fused update is in force.
     """
     if not on or not can_fuse(optimizer):
         if fused(optimizer):

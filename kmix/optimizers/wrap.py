@@ -15,26 +15,19 @@ _log = logging.getLogger("kmix")
 def wrap(optimizer, **kwargs):
     """Returns `optimizer` wrapped in a `kmix.LossScaleOptimizer` suited to the policy.
 
-    Under a float16 compute policy the scale is dynamic (2^15, x2 every 2000
-    finite steps, /2 on overflow). Elsewhere `dynamic` and `initial_scale` are
-    `"auto"`: decided when the optimizer is built, dynamic where its variables
-    compute in float16 (from the scale `kmix.autocast(..., sample=)` advised,
-    or 2^15), else a fixed scale of 1 that still skips non-finite steps. In a
-    `MultiWorkerMirroredStrategy` scope it also runs
-    `kmix.distribute.enable_multi_worker_fit()` once.
+    Under a float16 policy the scale is dynamic, elsewhere `"auto"` (docs/guide.md); under
+    `MultiWorkerMirroredStrategy` it also runs `kmix.distribute.enable_multi_worker_fit()` once.
 
     Args:
-        optimizer: a Keras optimizer, a name (`"adam"`) or a config dict; a Keras
-            `LossScaleOptimizer` (re-wrapped, its scale kept); a kmix one (returned as it is).
+        optimizer: a Keras optimizer, a name (`"adam"`) or a config dict; a Keras `LossScaleOptimizer`
+            (re-wrapped, its scale kept); a kmix one (returned as it is).
         **kwargs: arguments of `kmix.LossScaleOptimizer`; they override the defaults above.
 
     Returns:
         A `kmix.LossScaleOptimizer`.
 
     Example:
-
-    >>> model.compile(optimizer=kmix.wrap(keras.optimizers.AdamW(3e-4)), loss="mse")
-    >>> kmix.wrap("adam", hysteresis=2, allreduce_dtype="float16")
+    >>> model.compile(optimizer=kmix.wrap(keras.optimizers.AdamW(3e-4), hysteresis=2), loss="mse")
     """
     ours = [p for p in inspect.signature(LossScaleOptimizer.__init__).parameters
             if p not in ("self", "inner_optimizer", "kwargs")]
@@ -45,7 +38,6 @@ def wrap(optimizer, **kwargs):
                         + f". Accepted: {', '.join(ours)} (the arguments of kmix.LossScaleOptimizer).")
     if isinstance(tf.distribute.get_strategy(), tf.distribute.MultiWorkerMirroredStrategy):
         from kmix.distribute import enable_multi_worker_fit, multi_worker_fit_enabled
-
         if not multi_worker_fit_enabled():
             enable_multi_worker_fit()
             _log.info("kmix.wrap: under MultiWorkerMirroredStrategy; enabled kmix.distribute.enable_multi_worker_fit().")
