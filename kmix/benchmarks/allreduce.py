@@ -54,8 +54,7 @@ def main(argv=None):
 
 def _run_pair(argv):
     """Starts the two workers, waits for both (at most `TIMEOUT`), returns worker 0's results."""
-    folder = tempfile.mkdtemp(prefix="kmix_allreduce_")
-    sockets = [socket.socket() for _ in range(2)]
+    folder, sockets = tempfile.mkdtemp(prefix="kmix_allreduce_"), [socket.socket() for _ in range(2)]
     with sockets[0], sockets[1]:  # two free ports
         for s in sockets:
             s.bind(("127.0.0.1", 0))
@@ -92,8 +91,7 @@ def _run_pair(argv):
 
 def _worker(args):
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    global_batch = ROWS_PER_WORKER * 2
+    strategy, global_batch = tf.distribute.MultiWorkerMirroredStrategy(), ROWS_PER_WORKER * 2
     x = tf.random.stateless_normal((global_batch, args.width), (1, 2))
     batch = next(iter(strategy.experimental_distribute_dataset(steady(tf.data.Dataset.from_tensors(x).repeat()))))
     steps, byte_counts, optimizers, params = {}, {}, {}, 0
@@ -143,10 +141,8 @@ def _step(model, opt, loss_of, *batch):
 def _train_small(strategy, dtype, steps):
     """(held-out MSE, steps skipped) of a mixed_float16 MLP after `steps` steps of Adam reduced in `dtype`."""
     rng = np.random.default_rng(0)
-    w = rng.normal(size=(16, 1)).astype("float32")
-    x = rng.normal(size=(4096 + 512, 16)).astype("float32")
-    # Times 8: errors of several units at the start, so the head's scaled gradient is above 65504.
-    y = 8.0 * (np.tanh(x @ w) + 0.1 * np.sin(3 * x[:, :1]))
+    w, x = rng.normal(size=(16, 1)).astype("float32"), rng.normal(size=(4096 + 512, 16)).astype("float32")
+    y = 8.0 * (np.tanh(x @ w) + 0.1 * np.sin(3 * x[:, :1]))  # x8: the head's scaled gradient starts above 65504
     with strategy.scope(), kmix.policy_scope("mixed_float16"):
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"),

@@ -7,7 +7,6 @@ import gc
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -19,13 +18,14 @@ import tensorflow as tf
 import kmix
 from kmix._output import format_table, progress  # noqa: F401  (re-exported for the benchmarks)
 from kmix.route import facts
+from kmix.route.timing import median, seconds  # noqa: F401  (median, compiled: re-exported for the benchmarks)
+from kmix.route.trials import compiled  # noqa: F401
 
 SIZE_HELP = {"layers": "transformer blocks", "d_model": "model width", "heads": "attention heads (divide --d-model)",
              "seq": "sequence length", "vocab": "vocabulary size", "batch": "batch size",
              "image": "ResNet50 / MobileNetV2: image side in pixels (>= 32)",
              "steps": "steps per timed (or traced) round", "rounds": "timed rounds", "batch_size": "rows of the batch"}
 QUICK = dict(layers=1, d_model=16, heads=2, seq=16, batch=2, vocab=64, image=32, steps=2, rounds=1)
-median = statistics.median
 
 
 def bench_parser(name, doc, **kwargs):
@@ -33,19 +33,9 @@ def bench_parser(name, doc, **kwargs):
     return argparse.ArgumentParser(prog=f"python -m kmix bench {name}", description=doc.splitlines()[0], **kwargs)
 
 
-def compiled(jit_compile):
-    """`"XLA"` or `"tf.function"`."""
-    return "XLA" if jit_compile else "tf.function"
-
-
 def time_call(fn, repeats, warmup=1):
     """Runs `fn()` `warmup` times untimed, then `repeats` times; returns the seconds of each."""
-    times = []
-    for _ in range(warmup + repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times[warmup:]
+    return [seconds(fn) for _ in range(warmup + repeats)][warmup:]
 
 
 def alternate(fns, rounds, warmup=1, after_round=None, rotate=False, before=None):
@@ -79,8 +69,7 @@ def token_batch(rng, vocab, batch, seq, low=0):
 @contextlib.contextmanager
 def quiet_tf_logs():
     """TensorFlow's logger at ERROR inside the block: every route traces its own step (retracing notes)."""
-    logger = tf.get_logger()
-    level = logger.level
+    logger, level = tf.get_logger(), tf.get_logger().level
     logger.setLevel("ERROR")
     try:
         yield

@@ -37,8 +37,7 @@ def build_model(layers, d_model, heads, seq, vocab, stack, block=None, name=None
         x = x + keras.layers.Dense(d_model, name=f"mlp_out{i}")(h)
     x = keras.layers.LayerNormalization(epsilon=1e-5, name="ln_final")(x)
     logits = keras.layers.Dense(vocab, name="lm_head")(x)
-    # The loss is computed in float32, the head's matmul in the compute dtype.
-    logits = keras.layers.Activation("linear", dtype="float32", name="logits")(logits)
+    logits = keras.layers.Activation("linear", dtype="float32", name="logits")(logits)  # the loss in float32
     return keras.Model(tokens, logits, name=name or f"gpt_{stack}")
 
 

@@ -117,9 +117,8 @@ def _parse(argv):
     add_options(parser, out=(os.path.join("kmix-out", "gpu"), "folder for report.md, gpu.png and pytest.log"),
                 budget_s=(440.0, "seconds for the whole run (an item that would overrun is skipped)"),
                 sections=(",".join(DEFAULT_SECTIONS), f"comma-separated, of {', '.join(SECTIONS)}"))
-    parser.add_argument("--routes", default=None, metavar="LABELS",
-                        help="comma-separated route labels to time (default: all, or two with --quick): "
-                        + ", ".join(r[0] for r in ROUTES))
+    parser.add_argument("--routes", default=None, metavar="LABELS", help="comma-separated route labels to time "
+                        "(default: all, or two with --quick): " + ", ".join(r[0] for r in ROUTES))
     add_options(parser, quick="tiny sizes, two routes and two memory rows (a smoke test)")
     parser.add_argument("--allow-cpu", action="store_true", help=argparse.SUPPRESS)  # for kmix's own tests
     args = parser.parse_args(argv)

@@ -20,10 +20,7 @@ FIX = ('`pip install ".[gpu]"` (tensorflow[and-cuda]: the CUDA runtime and cuDNN
 def gpu_facts():
     """`(name, compute capability)` of the first GPU, or None without one."""
     gpus = facts.gpus()
-    if not gpus:
-        return None
-    cc = gpus[0]["compute_capability"]
-    return gpus[0]["name"], (f"{cc[0]}.{cc[1]}" if cc else "unknown")
+    return (gpus[0]["name"], facts.capability(gpus[0]["compute_capability"])) if gpus else None
 
 
 def tensorflow_gpu_log(timeout=180):
@@ -39,8 +36,7 @@ def tensorflow_gpu_log(timeout=180):
 
 def why_no_gpu(driver, log=None):
     """What `bench gpu` prints where `driver` is installed and no GPU is seen: build, packages, TensorFlow's log."""
-    log = tensorflow_gpu_log() if log is None else log
-    build = tf.sysconfig.get_build_info()
+    log, build = (tensorflow_gpu_log() if log is None else log), tf.sysconfig.get_build_info()
     built = (f"built with CUDA {build.get('cuda_version')} and cuDNN {build.get('cudnn_version')}"
              if build.get("is_cuda_build") else "built without CUDA (no GPU support in this TensorFlow)")
     packages = sorted({f"{d.metadata['Name']} {d.version}" for d in importlib.metadata.distributions()

@@ -26,8 +26,7 @@ def _baseline(results, tf32):
 
 def route_rows(results):
     """The routes' table rows: ratios against Keras float32 under XLA with TF32 on, the last with TF32 off."""
-    base, no_tf32 = _baseline(results, True), _baseline(results, False)
-    rows = []
+    base, no_tf32, rows = _baseline(results, True), _baseline(results, False), []
     for r in results:
         head = [r["label"], STACKS.get(r["stack"], r["stack"]), "yes" if r["jit_compile"] else "no",
                 "on" if r["tf32"] else "off"]
@@ -70,8 +69,7 @@ class Report:
     def __init__(self, out, header, sizes):
         self.out, self.header, self.sizes, self.path = Path(out), header, sizes, str(Path(out) / "report.md")
         self.routes, self.memory, self.tests, self.demo, self.skipped, self.notes = [], [], None, None, [], []
-        self.running, self.seconds = None, None  # what runs now; the run's seconds once it ended
-        self.start = time.perf_counter()
+        self.running, self.seconds, self.start = None, None, time.perf_counter()  # running: now; seconds: once ended
 
     def at(self, running):
         """Records what runs now (None: nothing) and saves."""
@@ -88,9 +86,8 @@ class Report:
 
     def markdown(self):
         """The report as markdown."""
-        elapsed = time.perf_counter() - self.start
-        state = (f"{self.seconds:.0f} s in all" if self.seconds is not None else
-                 f"**still running** after {elapsed:.0f} s, at: {self.running or 'between items'}")
+        state = (f"{self.seconds:.0f} s in all" if self.seconds is not None else f"**still running** after "
+                 f"{time.perf_counter() - self.start:.0f} s, at: {self.running or 'between items'}")
         md = [f"## Measured: {self.header}", "", f"`python -m kmix bench gpu`, {state}. TensorFlow {tf.__version__}, "
               f"Keras {keras.__version__}, kmix {kmix.__version__}.", ""]
         md += self._tests() + self._routes() + self._memory() + self._demo()

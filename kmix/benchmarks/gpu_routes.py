@@ -39,11 +39,9 @@ def measure(spec, size):
 def _run(policy, stack, tf32, jit_compile, size):
     tf.config.experimental.enable_tensor_float_32_execution(tf32)
     fresh_session()
-    device = allocator_device()
-    route = Route("gpt", size, policy, stack, jit_compile)
+    device, route = allocator_device(), Route("gpt", size, policy, stack, jit_compile)
     route.train(1)  # traces or compiles the step, builds the optimizer
-    loss_first = route.loss
-    one = min(time_call(lambda: route.train(1), 2, warmup=1))
+    loss_first, one = route.loss, min(time_call(lambda: route.train(1), 2, warmup=1))
     steps = steps_per_round(one, size["round_s"], size["min_steps"], size["max_steps"])
     allocator_peak(device, reset=True)  # after the compile: XLA's autotuning buffers are not the step's
     totals = time_call(lambda: route.train(steps), size["rounds"], warmup=0)

@@ -52,14 +52,9 @@ def build(layout, route, kept=None, recommend_on=None):
     return lm
 
 
-def batch(layout, batch_size, seq, seed=0):
-    """Token ids and padding mask, and the next tokens as labels."""
-    return token_batch(np.random.default_rng(seed), LAYOUTS[layout]["vocabulary_size"], batch_size, seq, low=1)
-
-
 def measure_step(layout, batch_size, seq, rounds, warmup=2):
     """Both routes in this process, `train_on_batch` alternating: `{"times": {route: [s]}, "losses": ...}`."""
-    x, y = batch(layout, batch_size, seq)
+    x, y = token_batch(np.random.default_rng(0), LAYOUTS[layout]["vocabulary_size"], batch_size, seq, low=1)
     losses = {}
 
     def step(route, model):
@@ -73,7 +68,7 @@ def measure_step(layout, batch_size, seq, rounds, warmup=2):
 
 def measure_run(layout, route, batch_size, seq, steps, with_recommend=False):
     """One route's whole run in this process: peak resident set, and what kmix's calls keep."""
-    x, y = batch(layout, batch_size, seq)
+    x, y = token_batch(np.random.default_rng(0), LAYOUTS[layout]["vocabulary_size"], batch_size, seq, low=1)
     start_rss, kept = rss(), {}
     lm = build(layout, route, kept, (x, y, batch_size) if with_recommend else None)
     out = {"route": route, "weight_bytes": sum(int(np.prod(v.shape)) * 4 for v in lm.weights),
@@ -91,8 +86,7 @@ def measure_run(layout, route, batch_size, seq, steps, with_recommend=False):
 
 def report(step, runs, args):
     """The markdown report: the step ratio table and the memory table."""
-    gb, times = 1e9, step["times"]
-    keras_step = median(times["keras"])
+    gb, times, keras_step = 1e9, step["times"], median(step["times"]["keras"])
     lines = [f"# bench lora ({datetime.date.today()}, {host()})", "",
              f"Qwen2CausalLM `{args.layout}` with LoRA rank {RANK}, batch {args.batch_size} x {args.seq} tokens.", "",
              format_table(["route", "median step ms", "x keras", "rounds", "last loss"], [

@@ -15,8 +15,7 @@ from kmix.benchmarks.common import (add_options, add_size_arguments, allocator_d
                                     ratio_bars, save_plot, time_call)
 from kmix.benchmarks import gpt
 
-CONFIGS = (
-    # name, policy, half, accumulation, remat, master_weights
+CONFIGS = (  # name, policy, half, accumulation, remat, master_weights
     ("float32", "float32", None, 1, False, None),
     ("O1", "O1", "float16", 1, False, "auto"),
     ("O1 bfloat16", "O1", "bfloat16", 1, False, "auto"),
@@ -77,9 +76,7 @@ def measure(config, size, steps, jit_compile):
     with tf.device(device), kmix.policy_scope(spec):
         model = gpt.build_model(size["layers"], size["d_model"], size["heads"], size["seq"], size["vocab"], "kmix",
                                 block=block, name="gpt_blocks")
-        # beta_2 = 0.99: Keras's default 0.999 is 1.0 in bfloat16, where the "kahan" row's
-        # Adam computes (see `kmix.LossScaleOptimizer`); the same for every row.
-        optimizer = keras.optimizers.AdamW(1e-4, beta_2=0.99)
+        optimizer = keras.optimizers.AdamW(1e-4, beta_2=0.99)  # 0.999 is 1.0 in bfloat16 (the kahan row's Adam)
         if master_weights is not None:
             optimizer = kmix.wrap(optimizer, master_weights=master_weights, accumulation_steps=accumulation)
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -146,8 +143,7 @@ def main(argv=None):
         parser.error(f"--batch must be even (accumulation halves it); received {args.batch}")
     device = allocator_device()
     allocator = use_a_cpu_allocator_with_statistics() if device.startswith("CPU") else None
-    start = time.perf_counter()
-    results = []
+    start, results = time.perf_counter(), []
     with quiet_tf_logs():
         for i, config in enumerate(CONFIGS, 1):
             progress(f"[{i}/{len(CONFIGS)}] {config[0]}")

@@ -16,8 +16,7 @@ def build_and_compile(kind, layers, width, jit_compile, seed=0, batchnorm=False,
         stack += [keras.layers.Dense(width, activation="relu")] + [keras.layers.BatchNormalization()] * batchnorm
     model = keras.Sequential(stack + [keras.layers.Dense(1, dtype="float32")])
     inner = keras.optimizers.Adam(1e-4)
-    # Keras's own Adam arithmetic in both (not kmix's fused kernel): what is timed is the
-    # loss-scale machinery alone, and the two must end with the same weights, bit for bit.
+    # Keras's Adam arithmetic in both (not kmix's fused kernel): only the loss-scale machinery differs, bit for bit.
     opt = (keras.optimizers.LossScaleOptimizer(inner) if kind == "keras"
            else kmix.wrap(inner, restore_on_skip=restore, fused_update=False))
     model.compile(optimizer=opt, loss="mse", jit_compile=jit_compile)
@@ -43,16 +42,14 @@ def measure(layers=64, width=16, batch=32, steps=200, rounds=5, jit_compile=Fals
 def measure_apply(layers=64, width=16, steps=200, rounds=5):
     """Times `optimizer.apply` alone in a `tf.function` (the part kmix changes); `{kind: [seconds per apply]}`."""
     shapes = [(width, width), (width,)] * layers + [(width, 1), (1,)]
-    variables = [keras.Variable(np.ones(s, np.float32)) for s in shapes]
-    grads = [tf.ones(s) for s in shapes]
+    variables, grads = [keras.Variable(np.ones(s, np.float32)) for s in shapes], [tf.ones(s) for s in shapes]
     loops = {}
     for kind in ("keras", "kmix"):
         inner = keras.optimizers.Adam(1e-4)
         opt = (keras.optimizers.LossScaleOptimizer(inner) if kind == "keras"
                else kmix.wrap(inner, dynamic=True, initial_scale=2.0**15))
         opt.build(variables)
-        # The gradients stand for those of a scaled loss; kmix is told so (no scale_loss here).
-        extra = {"scaled": True} if kind == "kmix" else {}
+        extra = {"scaled": True} if kind == "kmix" else {}  # the gradients stand for a scaled loss's
         apply = tf.function(lambda opt=opt, extra=extra: opt.apply(grads, variables, **extra))
         loops[kind] = lambda apply=apply: [apply() for _ in range(steps)]
     return {kind: [t / steps for t in times] for kind, times in alternate(loops, rounds).items()}
@@ -66,8 +63,7 @@ def main(argv=None):
                 no_jit="only tf.function, skip the XLA-compiled run",
                 batchnorm="a BatchNormalization after each Dense: the cost of restoring skipped steps' state",
                 no_restore="kmix with restore_on_skip=False (Keras's behaviour for non-trainable state)")
-    args = parser.parse_args(argv)
-    rows = []
+    args, rows = parser.parse_args(argv), []
     for jit in ([False] if args.no_jit else [False, True]):
         label = compiled(jit)
         progress(f"{label}: {args.layers} layers x {args.width} units, {2 * args.layers + 2} variables")

@@ -8,8 +8,8 @@ import numpy as np
 import tensorflow as tf
 
 import kmix
-from kmix.benchmarks.common import (add_size_arguments, alternate, bench_parser, check_sizes, choices, compiled,
-                                    device_label, format_table, progress, quiet_tf_logs, recommend_here)
+from kmix.benchmarks.common import (add_options, add_size_arguments, alternate, bench_parser, check_sizes, choices,
+                                    compiled, device_label, format_table, progress, quiet_tf_logs, recommend_here)
 from kmix.benchmarks.routes import MODELS, Route, build
 from kmix.serving import artifact
 
@@ -113,20 +113,17 @@ def _label(r):
 def main(argv=None):
     """Prints the inference table; returns `{"results": ..., "rows": ..., "recommendation": ...}`."""
     parser = bench_parser("predict", __doc__)
-    parser.add_argument("--models", default="gpt,resnet50",
-                        help="comma-separated models among " + ", ".join(MODELS) + "; default gpt,resnet50")
+    add_options(parser, models=("gpt,resnet50", "comma-separated models among " + ", ".join(MODELS)))
     add_size_arguments(parser, batch=32, layers=2, d_model=512, heads=8, seq=128, vocab=2048, image=64, steps=5,
                        rounds=3)
     parser.add_argument("--quick", action="store_true", help="a smoke test: tiny sizes, 1 round, a tiny probe")
     args = parser.parse_args(argv)
-    models = choices(parser, "--models", args.models, MODELS)
-    size = {**check_sizes(parser, args), "classes": 10}
+    models, size = choices(parser, "--models", args.models, MODELS), {**check_sizes(parser, args), "classes": 10}
     start = time.perf_counter()
     recommendation = recommend_here(args.quick)
     configs = routes(recommendation)
     with quiet_tf_logs():
-        # TensorFlow's rewrite runs last, alone: once its option has been set and unset, the
-        # other routes' functions ran slower for the rest of the process on our CPUs (2026-11-23).
+        # TensorFlow's rewrite runs last, alone (see `train_rounds.measure_all`).
         by_model = {m: measure(m, size, [c for c in configs if c[1] != "tf-rewrite"], args.steps, args.rounds)
                     for m in models}
         for m in models:
@@ -140,10 +137,9 @@ def main(argv=None):
           f"{args.rounds} interleaved rounds of {args.steps} batches")
     rows = format_rows(results)
     print(format_table(HEADERS, rows))
-    print("items/s: tokens (GPT) or images (ResNet50). max |out - f32| and top-1: against the float32 "
-          "Keras outputs of the same untrained model on the same batch. Served rows (SavedModel): the "
-          "endpoint called on the batch in a loop (no `model.predict` around it); MB on disk, load s: "
-          "`tf.saved_model.load`.")
+    print("items/s: tokens (GPT) or images (ResNet50). max |out - f32| and top-1: against the float32 Keras outputs of "
+          "the same untrained model on the same batch. Served rows (SavedModel): the endpoint called on the batch in a "
+          "loop (no `model.predict` around it); MB on disk, load s: `tf.saved_model.load`.")
     print(*fastest_lines(results), recommendation, sep="\n")
     progress(f"done in {time.perf_counter() - start:.0f} s")
     return {"results": results, "rows": rows, "recommendation": recommendation}

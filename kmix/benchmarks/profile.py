@@ -54,8 +54,7 @@ def profile_route(name, size, steps, logdir):
 
 def tables(profiles, top):
     """`(op rows, category rows)`: ms per step per route and the ratio of each to the first."""
-    names = list(profiles)
-    total = collections.Counter()
+    names, total = list(profiles), collections.Counter()
     for times in profiles.values():
         total.update(times)
     ops = [op for op, _ in total.most_common(top)]
@@ -83,9 +82,7 @@ def main(argv=None):
     parser.add_argument("--logdir", default=None, help="keep the traces here (TensorBoard's profile tab reads them)")
     parser.add_argument("--quick", action="store_true", help="a smoke test: tiny sizes, 2 steps")
     args = parser.parse_args(argv)
-    names = choices(parser, "--routes", args.routes, ROUTES)
-    size = check_sizes(parser, args)
-    profiles = {}
+    names, size, profiles = choices(parser, "--routes", args.routes, ROUTES), check_sizes(parser, args), {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, name in enumerate(names, 1):
             progress(f"[{i}/{len(names)}] tracing {args.steps} steps of {name}")

@@ -13,10 +13,12 @@ import keras
 import numpy as np
 
 import kmix
-from kmix.benchmarks.common import (add_options, alternate, bench_parser, compiled, format_table, in_fresh_process,
-                                    median, progress)
+from kmix.benchmarks.common import (add_options, alternate, bench_parser, format_table, in_fresh_process, median,
+                                    progress)
 from kmix.benchmarks.gpt import PositionEmbedding
-from kmix.route import rule, timing, trials
+from kmix.route import facts, rule, timing, trials
+from kmix.route.recommendation import decide_routes
+from kmix.route.trials import label as _label
 
 WITHIN = 1.05  # a pick within 5% of the fastest hand-timed route is a good one
 ROUTES = (("float32", False), ("float32", True), ("bfloat16", False), ("bfloat16", True))  # (dtype, jit_compile)
@@ -61,11 +63,7 @@ def hand_time(model, x, y, routes, rounds, steps):
 
 def trial(size, batch_size, budget_s, hand_rounds, hand_steps, probe_shape=None, dtypes=None):
     """One run: recommend (`probe_shape`, `dtypes`: None as a user gets them), the other tie rule, hand timing."""
-    from kmix.route import facts
-    from kmix.route.recommendation import decide_routes
-
-    model = build_encoder(**size)
-    rng = np.random.default_rng(0)
+    model, rng = build_encoder(**size), np.random.default_rng(0)
     x = rng.integers(0, size["vocab"], (4 * batch_size, size["seq"])).astype("int32")
     y = rng.integers(0, size["classes"], 4 * batch_size).astype("int32")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -91,10 +89,6 @@ def trial(size, batch_size, budget_s, hand_rounds, hand_steps, probe_shape=None,
             "hand_ms": {_label(route): median(v) * 1e3 for route, v in hand.items()}, "seconds": seconds}
 
 
-def _label(route):
-    return f"{route[0]}, {compiled(route[1])}"
-
-
 def score(run):
     """`{rule: pick's hand-timed step / the fastest's}` for the recommended rule and the other."""
     fastest = min(run["hand_ms"].values())
@@ -106,9 +100,7 @@ def summarize(runs):
     """The table's rows and the closing lines: how often each tie rule is within 5%, and its cost."""
     rows, lines = [], []
     for i, run in enumerate(runs, 1):
-        s = score(run)
-        fastest = min(run["hand_ms"], key=run["hand_ms"].get)
-        rounds = sorted(run["rounds"].values())
+        s, fastest, rounds = score(run), min(run["hand_ms"], key=run["hand_ms"].get), sorted(run["rounds"].values())
         rows.append([i, "n/a" if run["load"] is None else f"{run['load']:.1f}", _label(run["pick"]),
                      f"{rounds[0]}-{rounds[-1]}", "yes" if run["tie"] else "no", fastest, s["median"],
                      "yes" if s["median"] <= WITHIN else "NO", _label(run["strict_pick"]), s["float32"]])

@@ -111,12 +111,10 @@ class Route:
             model, self.data, self.items = build(model_name, size, "keras" if plain else "kmix")
         if stack == "autocast":  # "mixed_<half>" -> "O1-<half>"
             policy = self.policy = "O1-" + policy.split("_", 1)[1] if policy.startswith("mixed_") else policy
-        if stack in PLACED:
-            model = kmix.autocast(model, policy)
+        model = kmix.autocast(model, policy) if stack in PLACED else model
         optimizer = keras.optimizers.AdamW(1e-4)
         with kmix.policy_scope(policy if stack != "tf-rewrite" else "float32"):
-            if stack == "kmix" or stack in PLACED:
-                optimizer = kmix.wrap(optimizer)
+            optimizer = kmix.wrap(optimizer) if stack == "kmix" or stack in PLACED else optimizer
             model.compile(optimizer=optimizer, loss=loss_for(model_name), jit_compile=jit_compile)
         self.model, self.jit_compile = model, bool(model.jit_compile)
 
@@ -131,10 +129,9 @@ class Route:
 
     def figures(self, rounds, peak_bytes):
         """The route's figures from its `rounds` (seconds per step): the median step, items/s, model TFLOP/s (GPT)."""
-        step, s, tflops = timing.median(rounds), self.size, None
-        if self.model_name == "gpt":
-            tflops = gpt.model_flops_per_token(self.model, s["layers"], s["d_model"], s["seq"]) * self.items / step
-            tflops /= 1e12
+        step, s = timing.median(rounds), self.size
+        tflops = (gpt.model_flops_per_token(self.model, s["layers"], s["d_model"], s["seq"]) * self.items / step / 1e12
+                  if self.model_name == "gpt" else None)
         return {"policy": self.policy, "stack": self.stack, "jit_compile": self.jit_compile, "step_seconds": step,
                 "tokens_per_second": self.items / step, "tflops": tflops, "peak_bytes": peak_bytes, "loss": self.loss,
                 "rounds": tuple(rounds)}
@@ -142,5 +139,4 @@ class Route:
     def predict(self, steps):
         """Runs `predict` over `steps` batches; returns the outputs as float32 NumPy."""
         with self._context():
-            out = self.model.predict(self.data.map(lambda x, y: x), steps=steps, verbose=0)
-        return np.asarray(out, dtype=np.float32)
+            return np.asarray(self.model.predict(self.data.map(lambda x, y: x), steps=steps, verbose=0), np.float32)

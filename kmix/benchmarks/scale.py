@@ -54,15 +54,13 @@ def measure(call, name, batch_size, seq, budget_s):
     """Builds model `name` in float32, then times `call` and its extra peak memory; returns a dict."""
     rng = np.random.default_rng(0)
     x, y = token_batch(rng, MODELS[name][1]["vocabulary_size"], batch_size, seq, low=1)  # -lora: the next tokens
-    if not name.endswith("-lora"):
-        y = rng.integers(0, 4, (batch_size,))  # the classifier's 4 classes
+    y = rng.integers(0, 4, (batch_size,)) if not name.endswith("-lora") else y  # the classifier's 4 classes
     before_build = rss()
     peak_rss(reset=True)
     start = time.perf_counter()
     model = build(name)
     seconds = build_s = time.perf_counter() - start
-    # The kernel folds the resident-set counters lazily: a few pages of noise, never a peak below the base.
-    extra, kept = max(0, peak_rss() - before_build), None
+    extra, kept = max(0, peak_rss() - before_build), None  # max: the kernel folds its RSS counters lazily
     weights = sum(int(v.numpy().nbytes) for v in model.weights)
     with tempfile.TemporaryDirectory() as tmp:
         if call in ("fit step", "recommend"):

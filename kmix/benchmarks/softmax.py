@@ -24,10 +24,8 @@ def measure(length, batch, heads, repeats, jit_compile):
     layers = {"keras": keras.layers.Softmax(dtype="mixed_float16"), "kmix": kmix.layers.Softmax(dtype="mixed_float16"),
               "kmix_f32": kmix.layers.Softmax(dtype="mixed_float16", output_dtype="float32")}
     fns = {name: (lambda x, mask, layer=layer: layer(x, mask=mask)) for name, layer in layers.items()}
-    if jit_compile:
-        fns = {name: tf.function(fn, jit_compile=True) for name, fn in fns.items()}
-    # Also compiles each once.
-    errors = {name: float(np.max(np.abs(fn(x, mask).numpy().astype(np.float64) - expected)))
+    fns = {name: tf.function(fn, jit_compile=True) for name, fn in fns.items()} if jit_compile else fns
+    errors = {name: float(np.max(np.abs(fn(x, mask).numpy().astype(np.float64) - expected)))  # compiles each
               for name, fn in fns.items()}
     # Fetching one element waits for the whole result (asynchronous devices).
     times = alternate({name: (lambda fn=fns[name]: fn(x, mask)[0, 0, 0, 0].numpy()) for name in ("keras", "kmix")},
@@ -46,8 +44,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     lengths = [16, 64] if args.quick else [int(t) for t in args.lengths.split(",") if t.strip()]
     batch, heads, repeats = (1, 2, 2) if args.quick else (args.batch, args.heads, args.repeats)
-    modes = [False] if args.no_jit else [False, True]
-    rows = []
+    modes, rows = ([False] if args.no_jit else [False, True]), []
     for length in lengths:
         for jit in modes:
             progress(f"[{len(rows) + 1}/{len(lengths) * len(modes)}] T={length} "

@@ -38,8 +38,7 @@ def _parse(argv):
     parser.add_argument("--model", choices=MODELS, default="gpt", help="the model; default gpt")
     add_size_arguments(parser, layers=2, d_model=512, heads=8, seq=128, vocab=None, image=64, batch=8, steps=5,
                        rounds=6)
-    parser.add_argument("--policies", default=",".join(POLICIES),
-                        help="comma-separated policies of the keras and kmix rows; default " + ",".join(POLICIES))
+    add_options(parser, policies=(",".join(POLICIES), "comma-separated policies of the keras and kmix rows"))
     parser.add_argument("--jit", choices=["auto", "both", "on", "off"], default="auto", help="the keras and kmix "
                         "rows: Keras's default compile (auto), tf.function (off), XLA (on) or both; default auto")
     parser.add_argument("--recommended", action=argparse.BooleanOptionalAction, default=True,
@@ -63,12 +62,10 @@ def _parse(argv):
     parser.add_argument("--quick", action="store_true", help="a smoke test: the tiny GPT (ResNet50 32x32), batch 2, "
                         "2 steps, 1 round, a tiny probe")
     args = parser.parse_args(argv)
-    if args.vocab is None:
-        args.vocab = {"gpt2-lm": 16384, "bert": 8192}.get(args.model, 2048)
+    args.vocab = {"gpt2-lm": 16384, "bert": 8192}.get(args.model, 2048) if args.vocab is None else args.vocab
     args.policies = choices(parser, "--policies", args.policies, POLICIES)
     args.stacks = choices(parser, "--stacks", args.stacks, STACKS) if args.stacks is not None else None
-    if args.quick:
-        args.recommend_budget = min(args.recommend_budget, 3.0)
+    args.recommend_budget = min(args.recommend_budget, 3.0) if args.quick else args.recommend_budget
     args.size = {**check_sizes(parser, args), "classes": 10}
     return args
 

@@ -19,8 +19,7 @@ def measure(config, size, steps, rounds, model_name="gpt"):
 
 def measure_all(configs, size, steps, rounds, interleave, model_name="gpt"):
     """A dict per `(policy, stack, jit_compile)` of `configs`: `rounds` of `steps`, alone or interleaved."""
-    # TensorFlow's rewrite runs last, alone: once its option has been set and unset, the functions of
-    # the other routes ran slower for the rest of the process on our CPUs (2026-11-23).
+    # TensorFlow's rewrite runs last, alone: once set and unset, it slowed the other routes on our CPUs (2026-11-23).
     order = sorted(range(len(configs)), key=lambda i: configs[i][1] == "tf-rewrite")
     groups = [[i for i in order if (configs[i][1] == "tf-rewrite") == last] for last in (False, True)]
     results, built = [None] * len(configs), 0

@@ -16,9 +16,8 @@ def format_rows(results):
 
 def speedup(base, row):
     """`base`'s step time over `row`'s: round by round (the median ratio) within a phase, else of the medians."""
-    if base.get("phase") is not None and base.get("phase") == row.get("phase"):
-        return timing.paired(base["rounds"], row["rounds"])[0]
-    return base["step_seconds"] / row["step_seconds"]
+    paired = base.get("phase") is not None and base.get("phase") == row.get("phase")
+    return timing.paired(base["rounds"], row["rounds"])[0] if paired else base["step_seconds"] / row["step_seconds"]
 
 
 def control_line(results):

@@ -103,10 +103,8 @@ def training_setup(model, loss, optimizer):
 
 def fresh_optimizer(optimizer, learning_rate=None):
     """A new optimizer with `optimizer`'s settings (a loss-scale one's inner), `learning_rate` replacing its own."""
-    if isinstance(optimizer, (str, dict)):
-        optimizer = keras.optimizers.get(optimizer)
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        optimizer = optimizer.inner_optimizer
+    optimizer = keras.optimizers.get(optimizer) if isinstance(optimizer, (str, dict)) else optimizer
+    optimizer = optimizer.inner_optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else optimizer
     config = optimizer.get_config()
     if learning_rate is not None:
         config["learning_rate"] = learning_rate
@@ -114,10 +112,7 @@ def fresh_optimizer(optimizer, learning_rate=None):
 
 
 def still_at_zero(optimizer):
-    """Whether `optimizer`'s kind, at learning rate 0, leaves a scratch variable bit for bit as it was (two steps).
-
-    FTRL divides by the learning rate, and a user's optimizer may do anything: `recommend` then keeps a copy.
-    """
+    """Whether `optimizer`'s kind, at learning rate 0, leaves a scratch variable bit for bit as it was (two steps)."""
     try:
         probe = fresh_optimizer(optimizer, learning_rate=0.0)
         rng = np.random.default_rng(0)

@@ -37,9 +37,7 @@ class Recommendation:
 
     def __str__(self):
         lines = [f"Recommended: policy {self.policy!r}, jit_compile={self.jit_compile}"]
-        lines += [f"  - {reason}" for reason in self.reasons]
-        if self.table is not None:
-            lines.append(str(self.table))
+        lines += [f"  - {reason}" for reason in self.reasons] + ([str(self.table)] if self.table is not None else [])
         return "\n".join(lines)
 
 
@@ -79,20 +77,16 @@ def decide(probe, gpus, cpu, onednn=None):
 
 
 def decide_routes(table, probe, gpus, cpu, onednn=None, tie="median"):
-    """The `Recommendation` from a `RouteTable` of the user's model (`probe`'s where no half route was timed).
-
-    `probe`: the `kmix.device.Probe` that chose the candidates, or None; `tie`: `rule.choose`'s tie rule.
-    """
-    times = table.times()
-    index = {(r.dtype, r.jit_compile): i for i, r in enumerate(table.routes)}
+    """The `Recommendation` from a `RouteTable` of the user's model, or from `probe` (the `kmix.device.Probe` that
+    chose the candidates, or None) where no half route was timed; `tie`: `rule.choose`'s tie rule."""
+    times, index = table.times(), {(r.dtype, r.jit_compile): i for i, r in enumerate(table.routes)}
     if no_half_timed(table):
         return _from_probe(table, probe, gpus, cpu, onednn, index)
     choice = choose(times, bool(gpus), 1.0, 1.0, tie=tie)
     table = dataclasses.replace(table, chosen=index[choice.route], reference=index[choice.reference])
     (dtype, jit), ref = choice.route, table.routes[index[choice.reference]]
     ms = lambda c: f"{timing.median(times[c]) * 1e3:.2f} ms"  # noqa: E731
-    reasons = [facts.describe(gpus, cpu, onednn), _rounds_line(table)]
-    floor = f"{timing.NOISE_FLOOR:.0%}"
+    reasons, floor = [facts.describe(gpus, cpu, onednn), _rounds_line(table)], f"{timing.NOISE_FLOOR:.0%}"
     if dtype == "float32" and not choice.gains:
         why = (f"the device's probe ran {' and '.join(d for d, _ in table.skipped)} too slowly to be worth timing "
                "(below the table)" if table.skipped else "only float32 was asked for (dtypes=)")
@@ -119,8 +113,7 @@ def decide_routes(table, probe, gpus, cpu, onednn=None, tie="median"):
                        f"beyond the noise: {kept}. A longer budget_s, or a quieter machine, may settle it.")
     reasons.append(_compilation_line(choice.route, times, lambda c: f"{ms(c)} a step", bool(gpus)))
     if table.over_budget:
-        first = max(table.routes, key=lambda r: r.setup_s)
-        over = "; ".join(label for label, _ in table.over_budget)
+        first, over = max(table.routes, key=lambda r: r.setup_s), "; ".join(label for label, _ in table.over_budget)
         reasons.append(f"{_budget(table)} could not cover building and compiling {over} (building and compiling "
                        f"{first.label} took {first.setup_s:.1f} s): recommended from the {len(table.routes)} "
                        f"route(s) measured. {_budget_advice(table)}")

@@ -2,7 +2,6 @@
 
 import argparse
 import os
-import sys
 
 import kmix
 from kmix._output import progress
@@ -89,15 +88,14 @@ def format_report(facts, recommendation, onednn=None):
         lines += [f"  {'':<11} {line}" for line in onednn_lines(onednn)]
     cuda = f"yes (CUDA {facts['cuda'] or '?'}, cuDNN {facts['cudnn'] or '?'})" if facts["built_with_cuda"] else "no"
     lines.append(f"  {'CUDA build':<11} {cuda}")
-    if not facts["gpus"]:
-        lines.append(f"  {'GPU':<11} none found")
     for i, gpu in enumerate(facts["gpus"]):
         cores = tensor_cores(gpu["compute_capability"])
         lines += [f"  GPU {i:<7} {gpu['name']}", f"    compute capability      {capability(gpu['compute_capability'])}",
                   f"    float16 tensor cores    {yes_no(cores['float16'])}",
                   f"    bfloat16 tensor cores   {yes_no(cores['bfloat16'])}"]
     if not facts["gpus"]:
-        lines.append(f"  {'':<11} float16 tensor cores: no; bfloat16 tensor cores: no (no GPU)")
+        lines += [f"  {'GPU':<11} none found",
+                  f"  {'':<11} float16 tensor cores: no; bfloat16 tensor cores: no (no GPU)"]
         if reason := why_no_gpu(facts):
             lines.append(f"  {'':<11} {reason}")
     lines += ["Compilation", f"  {'XLA':<11} {facts['xla']}", f"  {'TF32':<11} {tf32_line(facts)}", str(recommendation)]
@@ -133,10 +131,8 @@ def main(argv=None):
     facts["versions"]["kmix"] = kmix.__version__
     recommendation = recommend()
     check = args.onednn_check if args.onednn_check is not None else not facts["gpus"] and not facts["onednn"]
-    comparison = None
     if check:
         progress("doctor: timing the probe with TF_ENABLE_ONEDNN_OPTS=1 and =0, in two subprocesses")
-        comparison = compare_onednn()
-    print(format_report(facts, recommendation, comparison))
-    sys.stdout.flush()
+    comparison = compare_onednn() if check else None
+    print(format_report(facts, recommendation, comparison), flush=True)
     return {"facts": facts, "recommendation": recommendation, "onednn": comparison}

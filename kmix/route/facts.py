@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kmix import _compat
+from kmix._compat import onednn_enabled
 
 FLOAT16_TENSOR_CORES = (7, 0)  # Volta
 BFLOAT16_TENSOR_CORES = (8, 0)  # Ampere
@@ -62,11 +62,6 @@ def gpus():
         found.append({"name": details.get("device_name", device.name),
                       "compute_capability": details.get("compute_capability")})
     return found
-
-
-def onednn_enabled():
-    """Whether TensorFlow runs its CPU kernels through oneDNN in this process."""
-    return _compat.onednn_enabled()
 
 
 def fast_bfloat16():
@@ -138,8 +133,7 @@ def _nvidia_driver():
 def _check_xla():
     """Compiles and runs a tiny function with XLA; "yes" or the reason it failed."""
     try:
-        fn = tf.function(lambda x: tf.reduce_sum(tf.matmul(x, x)), jit_compile=True)
-        float(fn(tf.ones((4, 4))))
+        float(tf.function(lambda x: tf.reduce_sum(tf.matmul(x, x)), jit_compile=True)(tf.ones((4, 4))))
         return "yes (a jit_compile=True function compiled and ran)"
     except (tf.errors.OpError, RuntimeError, ValueError, NotImplementedError) as e:  # XLA missing or failing
         return f"no: {type(e).__name__}: {(str(e).strip() or type(e).__name__).splitlines()[0][:200]}"

@@ -55,8 +55,7 @@ class Comparison:
 
 def compare(shape=SHAPE, rounds=7, timeout=300):
     """Times the probe's step with oneDNN on and off, in two workers, interleaved; returns a `Comparison`."""
-    start = time.perf_counter()
-    workers = {setting: _start(setting, shape) for setting in ("on", "off")}
+    start, workers = time.perf_counter(), {setting: _start(setting, shape) for setting in ("on", "off")}
     try:
         enabled = {setting: _read(worker, timeout)["ready"] for setting, worker in workers.items()}
         times = {setting: {config: [] for config in CONFIGS} for setting in workers}

@@ -1,7 +1,4 @@
-"""The measured probe: a transformer MLP's training step per dtype and compilation, on this device.
-
-    >>> print(kmix.device.probe())  # GFLOP/s per dtype, tf.function and XLA, with the spread
-"""
+"""The measured probe (`kmix.device.probe`): a transformer MLP's training step per dtype and compilation."""
 
 import dataclasses
 import functools
@@ -50,8 +47,7 @@ class Probe:
         """`{(dtype, jit_compile): seconds per round}`: the rounds, else one round of 1/rate per configuration."""
         if self.rounds is not None:
             return {config: list(seconds) for config, seconds in self.rounds.items()}
-        return {config: [1.0 / max(rate, 1e-12)] for config, rate in self.gflops.items()
-                if config not in self.screened}
+        return {config: [1.0 / max(rate, 1e-12)] for config, rate in self.gflops.items() if config not in self.screened}
 
     @property
     def step(self):
@@ -100,8 +96,7 @@ def probe(shape=None, budget=0.25):
     >>> kmix.device.probe().best("bfloat16")   # (GFLOP/s, jit_compile)
     """
     on_gpu = bool(tf.config.list_physical_devices("GPU"))
-    if shape is None:
-        shape = (8192, 4096, 4096) if on_gpu else (1024, 512, 2048)
+    shape = ((8192, 4096, 4096) if on_gpu else (1024, 512, 2048)) if shape is None else shape
     shape = tuple(int(s) for s in shape)
     if len(shape) != 3 or min(shape) < 1:
         raise ValueError(f"`shape` must be three positive ints (m, k, n). Received: shape={shape!r}")
@@ -153,10 +148,7 @@ def _probe(shape, budget, on_gpu, tf32):
 
 
 def plan_rows(first, m, small_rows, budget):
-    """`(rows, screened)` from `first` `{config: seconds}` at `small_rows`: `m` if the fastest fits `budget` there.
-
-    `screened`: the half configurations `SCREEN` times slower than the fastest (never float32, the reference).
-    """
+    """`(rows, screened)` from `first` `{config: seconds}` at `small_rows`: `m` if the fastest fits `budget` there."""
     fastest = min(first.values())
     screened = tuple(c for c in first if c[0] != "float32" and first[c] > SCREEN * fastest)
     return (m if fastest * m / small_rows <= budget else small_rows), screened

@@ -16,8 +16,7 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
               dtypes=None, budget_s=30.0, probe=None, verbose=True):
     """Measures the fastest safe policy and `jit_compile`: on your model's training step, or on this device.
 
-    With data it times the model's own training step on each candidate route in interleaved rounds, on the
-    model's own variables, and leaves `model` as it was (docs/guide.md, "Choosing a policy").
+    With data it times each candidate route in interleaved rounds and leaves `model` as it was (docs/guide.md).
 
     Args:
         model: a built Keras model, compiled with its loss (and optimizer), or pass `loss=` (and `optimizer=`).
@@ -39,12 +38,8 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
 
     >>> rec = kmix.recommend(model, x=x_train, y=y_train, budget_s=30)
     >>> print(rec)                    # the route, why, and the table of routes
-    >>> fast = kmix.autocast(model, rec.policy)
-    >>> with kmix.policy_scope(rec.policy):
-    ...     fast.compile(optimizer=kmix.wrap("adamw"), loss="mse", jit_compile=rec.jit_compile)
     """
-    start = time.perf_counter()
-    budget_s = _check_budget(budget_s)
+    start, budget_s = time.perf_counter(), _check_budget(budget_s)
     optimizer = data.check_optimizer(optimizer)
     if model is None or (x is None and y is None and sample is None):
         probe = _measured(probe, verbose and "probing this device (a transformer MLP's training step)",
@@ -62,10 +57,8 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
         dtypes, skipped = rule.candidates(probe)
     else:
         dtypes, skipped = rule.check_dtypes(dtypes), ()
-    routes = [(_policy(d), jit) for d in dtypes for jit in (False, True)]
-    gpus = facts.gpus()
-    build, forward = trials.build_estimate(model, batch[0])
-    variables = len(model.trainable_variables)
+    routes, gpus = [(_policy(d), jit) for d in dtypes for jit in (False, True)], facts.gpus()
+    (build, forward), variables = trials.build_estimate(model, batch[0]), len(model.trainable_variables)
     firsts = {route: trials.first_build(route, build, probe, variables) for route in routes}
     spent = time.perf_counter() - start
     cheapest = min(seconds for (policy, _), seconds in firsts.items() if policy == "float32")
@@ -91,11 +84,9 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
 
 def _measured(probe, why, shape, budget=0.25):
     """`probe`, else the device's probe measured now, saying `why` on stderr (when not None or False)."""
-    if probe is None:
-        if why:
-            progress(f"kmix.recommend: {why}")
-        probe = measure_probe(shape, budget)
-    return probe
+    if probe is None and why:
+        progress(f"kmix.recommend: {why}")
+    return measure_probe(shape, budget) if probe is None else probe
 
 
 def _noted(rec, *notes):
@@ -108,7 +99,6 @@ def _probe_budget(budget_s):
 
 
 def _check_budget(budget_s):
-    """`budget_s` as a float, or a ValueError naming it."""
     if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not 0 < budget_s < float("inf"):
         raise ValueError(f"`budget_s` must be a positive number of seconds (e.g. 30). Received: budget_s={budget_s!r}")
     return float(budget_s)

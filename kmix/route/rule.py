@@ -119,11 +119,9 @@ def unsettled(times, default_jit):
 
 def candidates(probe):
     """The dtypes worth timing on a model, from a probe: `(dtypes, [(dtype, why not), ...])`."""
-    f32 = probe.best("float32")[0]
-    chosen, skipped = ["float32"], []
+    f32, chosen, skipped = probe.best("float32")[0], ["float32"], []
     for half in ("bfloat16", "float16"):
-        rate = max((probe.rate(half, jit) for jit in (False, True) if (half, jit) not in probe.screened),
-                   default=0.0)
+        rate = max((probe.rate(half, jit) for jit in (False, True) if (half, jit) not in probe.screened), default=0.0)
         if rate < CANDIDATE * f32:
             skipped.append((half, f"the probe ran it at {rate / f32:.2f}x float32's best "
                                   f"({rate:.3g} against {f32:.3g} GFLOP/s), under {CANDIDATE}x"))
@@ -152,8 +150,7 @@ def build_order(routes, probe=None, default_jit=False):
     if probe is None:
         return sorted(routes, key=lambda r: (r[1] != default_jit, r[0] != "float32"))
     rate = lambda route: probe.rate(dtype_of(route[0]), route[1])  # noqa: E731
-    float32 = [r for r in routes if r[0] == "float32"]
-    order = []
+    float32, order = [r for r in routes if r[0] == "float32"], []
     if float32:
         jit = best({c: t for c, t in probe.times().items() if c[0] == "float32"}, "float32", default_jit)[1]
         order.append(("float32", jit) if ("float32", jit) in float32 else float32[0])

@@ -1,8 +1,5 @@
 """Interleaved timing rounds, and the round-by-round statistics that hold still on a shared machine.
 
-Each round times every live configuration once, in a rotating order; two are compared by the median of their
-round-by-round ratio, with the sign test's confidence interval (docs/guide.md, "Choosing a policy").
-
     >>> rounds = run_rounds({"a": step_a, "b": step_b}, steps={"a": 4, "b": 4}, budget_s=2.0)
     >>> ratio, noise = paired(rounds["a"], rounds["b"])   # > 1 + noise: b is faster
 """
@@ -38,8 +35,6 @@ def spread(values):
 def bound_rank(n, confidence=CONFIDENCE):
     """The sign test's `k`: the true median lies above the k-th smallest of `n` ratios with `confidence`.
 
-    The largest `k` (at least 1) with `P(Binomial(n, 1/2) < k) <= 1 - confidence`:
-
         >>> [bound_rank(n) for n in (5, 10, 20, 30)]
         [1, 3, 7, 11]
     """
@@ -74,7 +69,7 @@ def paired(a, b):
     return middle, max(middle - low, NOISE_FLOOR)
 
 
-def run_rounds(calls, steps, budget_s, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS, more=None, report=None,
+def run_rounds(calls, steps, budget_s, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROUNDS, more=None,
                clock=time.perf_counter, hard_s=None):
     """Times `calls` in interleaved rounds; returns `{key: [seconds per step, one per round]}`.
 
@@ -83,7 +78,7 @@ def run_rounds(calls, steps, budget_s, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROU
             `{key: int}`, the steps per round for each key.
         budget_s: seconds for the rounds after the first `min_rounds` (up to `max_rounds`).
         more: optional `fn(rounds) -> keys` asked after each round from `min_rounds` on: the keys that still
-            need rounds (none: done); `report`: optional `fn(round_number)` called after each round.
+            need rounds (none: done).
         clock: seconds now (`time.perf_counter`; a simulation passes its own).
         hard_s: optional seconds after which no round but the first starts, `min_rounds` or not.
     """
@@ -98,8 +93,6 @@ def run_rounds(calls, steps, budget_s, min_rounds=MIN_ROUNDS, max_rounds=MAX_ROU
                 calls[key]()
             rounds[key].append((clock() - begin) / steps[key])
         r += 1
-        if report is not None:
-            report(r)
         if r >= min_rounds and more is not None:
             wanted = set(more({key: list(seconds) for key, seconds in rounds.items()}))
             live = [key for key in live if key in wanted]

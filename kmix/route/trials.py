@@ -19,10 +19,7 @@ from kmix.route.timing import MAX_ROUNDS, MIN_ROUNDS  # noqa: F401  (timing's; t
 
 TARGET_ROUNDS = 10  # the budget is spread so that about this many rounds fit in it
 OVERRUN = 0.2  # the rounds stop at (1 + OVERRUN) x budget_s, their minimum reached or not
-# Before any route is built: an XLA build counts as XLA_BUILD tf.function builds, and a tf.function build
-# as at least TRACE of the probe's seconds per configuration, or PER_VARIABLE per trainable variable
-# (measured on this project's 2-core CPU: the README's model and encoders of 1-4 blocks).
-XLA_BUILD, TRACE, PER_VARIABLE = 3.0, 3.0, 0.5
+XLA_BUILD, TRACE, PER_VARIABLE = 3.0, 3.0, 0.5  # the build estimates, measured on this project's 2-core CPU
 STEPS_PER_BUILD = 3  # a route's build runs this many training steps (two to trace and build, one timed)
 FORWARDS_PER_STEP = 3  # a training step costs about three forward passes (forward, two backward matmuls)
 
@@ -92,10 +89,7 @@ class RouteTable:
         return [route for route in self.order if route not in timed]
 
     def needed_s(self):
-        """Seconds a call like this one would take to time every route of `order`, at this call's pace.
-
-        Before building, each build (else `estimate_build`), `MIN_ROUNDS` rounds of each (else the slowest step).
-        """
+        """Seconds a call like this one would take to time every route of `order`, at this call's pace."""
         builds = {(r.policy, r.jit_compile): r.setup_s for r in self.routes}
         if not builds:
             return self.before_s
@@ -106,8 +100,7 @@ class RouteTable:
         return total + sum(builds.values())
 
     def __str__(self):
-        base = self.routes[self.reference].seconds if self.reference is not None else None
-        rows = []
+        base, rows = (self.routes[self.reference].seconds if self.reference is not None else None), []
         for i, r in enumerate(self.routes):
             marks = ["<- recommended"] * (i == self.chosen) + ["<- float32 reference"] * (i == self.reference)
             ratio = timing.paired(base, r.seconds)[0] if base is not None else "n/a"
@@ -128,23 +121,15 @@ class RouteTable:
 
 def time_routes(model, batch, loss, optimizer, routes, budget_s, verbose=True, default_jit=False, start=None,
                 probe=None, first_builds=None):
-    """Builds, warms up and times every route that fits `budget_s` (from `start`); returns a `RouteTable`.
-
-    Each route is placed on `model` in place and put back (`kmix._preserved.Preserved`); its step runs on a
-    model sharing the variables (`_Shared`) with `kmix.wrap` of one optimizer at learning rate 0. Routes are
-    built in `rule.build_order` (`fitting_first` with `first_builds`), each after the first only where its
-    build and `MIN_ROUNDS` rounds of every route fit; the rounds stop at `1 + OVERRUN` x `budget_s`.
-    """
+    """Builds, warms up and times every route that fits `budget_s` (from `start`); returns a `RouteTable`."""
     say = progress if verbose else (lambda message: None)
     x, y, described = batch
     start = time.perf_counter() if start is None else start
     before = time.perf_counter() - start
     deadline, hard = start + budget_s, start + (1 + OVERRUN) * budget_s
-    inner = data.fresh_optimizer(optimizer, learning_rate=0.0)
-    built, setup, first, over = {}, {}, {}, []
+    inner, built, setup, first, over = data.fresh_optimizer(optimizer, learning_rate=0.0), {}, {}, {}, []
     order = rule.build_order(routes, probe, default_jit)
-    if first_builds:
-        order = fitting_first(order, first_builds, deadline - time.perf_counter())
+    order = fitting_first(order, first_builds, deadline - time.perf_counter()) if first_builds else order
     saved = "non-trainable" if data.still_at_zero(optimizer) else "all"  # no copy of the weights where none is needed
     with Preserved(model, saved=saved) as kept, _quiet_retracing(), warnings.catch_warnings():
         warnings.filterwarnings("once", category=UserWarning)  # autocast's, about the model: once, not per route
@@ -166,8 +151,7 @@ def time_routes(model, batch, loss, optimizer, routes, budget_s, verbose=True, d
             first[route], built[route] = timing.seconds(step), step
         now = time.perf_counter()
         left = max(deadline - now, 0.0)
-        per_round = left / TARGET_ROUNDS / len(built)
-        steps = {route: max(1, int(per_round / max(first[route], 1e-6))) for route in built}
+        steps = {route: max(1, int(left / TARGET_ROUNDS / len(built) / max(first[route], 1e-6))) for route in built}
         say(f"kmix.recommend: timing {len(built)} routes in interleaved rounds ({left:.0f} s left of budget_s)")
         key = {route: (rule.dtype_of(route[0]), route[1]) for route in built}
 
@@ -186,13 +170,10 @@ def time_routes(model, batch, loss, optimizer, routes, budget_s, verbose=True, d
 
 
 def build_estimate(model, x):
-    """`(seconds a route's build is estimated to take, seconds one forward pass took)`, from one forward pass.
-
-    A build: `STEPS_PER_BUILD` steps of about `FORWARDS_PER_STEP` forward passes, and a trace (one more).
-    """
+    """`(seconds a route's build is estimated to take, seconds one forward pass took)`, from one forward pass."""
     # Converted to NumPy for the sync: on a GPU the call returns once the ops are queued, not done.
     forward = timing.seconds(lambda: keras.tree.map_structure(keras.ops.convert_to_numpy, model(x, training=False)))
-    return forward * (STEPS_PER_BUILD * FORWARDS_PER_STEP + 1), forward
+    return forward * (STEPS_PER_BUILD * FORWARDS_PER_STEP + 1), forward  # the build's steps, and a trace
 
 
 def fitting_first(order, first_builds, left):
@@ -202,29 +183,21 @@ def fitting_first(order, first_builds, left):
 
 
 def first_build(route, forward_build, probe=None, variables=0):
-    """Seconds `route`'s build is estimated to take before any route was built.
-
-    The larger of `forward_build` (`build_estimate`'s) and the probe's seconds per configuration times `TRACE`
-    or `PER_VARIABLE` per trainable variable (the larger), `XLA_BUILD` times more under XLA.
-    """
+    """Seconds `route`'s build is estimated to take before any route was built (`forward_build`: `build_estimate`'s)."""
     per_configuration = probe.seconds / len(probe.gflops) if probe is not None and probe.gflops else 0.0
     trace = per_configuration * max(TRACE, PER_VARIABLE * variables) * (XLA_BUILD if route[1] else 1.0)
     return max(forward_build, trace)
 
 
 def estimate_build(route, setup):
-    """Seconds `route`'s build is estimated to take from `setup` `{route: seconds}` of the builds so far.
-
-    The longest of the same compilation; with none, the longest of the other (`XLA_BUILD` times it for XLA).
-    """
+    """Seconds `route`'s build is estimated to take: the longest in `setup` `{route: seconds}` of its compilation."""
     same = [s for r, s in setup.items() if r[1] == route[1]]
     return max(same) if same else max(setup.values()) * (XLA_BUILD if route[1] else 1.0)
 
 
 def _over_budget(route, setup, first, deadline, budget_s):
     """Why `route` is not built within the budget, or None when its build and the rounds fit."""
-    build = estimate_build(route, setup)
-    rounds = MIN_ROUNDS * (sum(first.values()) + max(first.values()))
+    build, rounds = estimate_build(route, setup), MIN_ROUNDS * (sum(first.values()) + max(first.values()))
     left = deadline - time.perf_counter()
     if build + rounds <= left:
         return None

@@ -1,8 +1,4 @@
-"""`kmix.export`'s artifacts written and read back: a SavedModel as `model.export` writes it, or a `.keras` file.
-
-The `.keras` file is one Keras alone loads: kmix's objects are written as Keras's counterparts, which compute as
-they do (`_as_keras`); any other kmix object refuses the file before anything is written.
-"""
+"""`kmix.export`'s artifacts written and read back: a SavedModel as `model.export` writes it, or a `.keras` file."""
 
 import copy
 import json
@@ -37,8 +33,7 @@ def write(served, path, sample, model):
     def serve(*args):
         return as_float32(served(*args, training=False))
 
-    # No `variables`: the endpoint tracks the variables it reads itself, and tracking the model's as well
-    # stores every variable a second time (keras-team/keras#23553).
+    # No `variables`: the endpoint tracks what it reads; the model's as well would store each twice (keras#23553).
     write_function(serve, input_signature(model, served, sample), path)
 
 
@@ -71,8 +66,7 @@ def load(path, model):
     if kind(path) == "keras":
         with keras.saving.custom_object_scope(user_classes(model)):
             loaded = keras.models.load_model(path, compile=False, safe_mode=False)
-        predict = lambda x: loaded(x, training=False)  # noqa: E731
-        float32 = _written_in_float32(model)
+        predict, float32 = (lambda x: loaded(x, training=False)), _written_in_float32(model)
         moved = [f"{path} (compute {mine[1]}, variables {mine[2]} as written; {theirs[1]}, {theirs[2]} loaded)"
                  for layer, path, mine, theirs, _ in differences(model, loaded).values()
                  if not (id(layer) in float32 and tuple(theirs[1:3]) == ("float32", "float32"))]
@@ -96,9 +90,7 @@ def read_saved_model(path):
 def disk_bytes(path):
     """The bytes `path` takes: a file's size, or the sum over a directory's files."""
     path = pathlib.Path(path)
-    if path.is_file():
-        return path.stat().st_size
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def variables_bytes(path):
@@ -125,7 +117,6 @@ def _as_float32_inputs(x):
     return keras.tree.map_structure(lambda t: tf.cast(t, tf.float32) if floating(t) else tf.convert_to_tensor(t), x)
 
 
-# The .keras file: its config rewritten so that Keras alone loads it.
 def _keras_config(model, path):
     """The config `model.save` writes for `model`, kmix's objects written as Keras's; a ValueError naming the rest."""
     config = keras.saving.serialize_keras_object(model)
@@ -183,8 +174,7 @@ def _visit(node, layer, refused):
         return [_visit(item, layer, refused) for item in node]
     if not isinstance(node, dict):
         return node
-    if _is_kmix(node):
-        node = _as_keras(node, layer, refused)
+    node = _as_keras(node, layer, refused) if _is_kmix(node) else node
     inner = node.get("config")
     if isinstance(inner, dict) and _plain_activation(inner.get("activation")):
         # An output layer's float32-out activation: the plain one, the layer computing in float32.
@@ -208,9 +198,8 @@ def _float32():
 
 def _is_kmix(node):
     module, registered = node.get("module"), node.get("registered_name")
-    return (isinstance(module, str) and module.split(".")[0] == "kmix") or (
-        isinstance(registered, str) and registered.startswith("kmix>")
-    )
+    return ((isinstance(module, str) and module.split(".")[0] == "kmix")
+            or (isinstance(registered, str) and registered.startswith("kmix>")))
 
 
 def _as_keras(node, layer, refused):
@@ -234,9 +223,7 @@ def _as_keras(node, layer, refused):
             refused.append(f"MultiHeadAttention called with `attention_bias` ({where}), which Keras's does not take")
             return node
         query = ((node.get("build_config") or {}).get("shapes_dict") or {}).get("query_shape")
-        fused = not any(kwargs.get("return_attention_scores") for kwargs in calls) and (
-            query is None or len(query) == 3
-        )
+        fused = not any(kw.get("return_attention_scores") for kw in calls) and (query is None or len(query) == 3)
         inner["dropout"] = 0.0
         if not fused:
             inner["dtype"] = _float32()

@@ -6,7 +6,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from kmix.diagnose import data
+from kmix.diagnose import data, diagnose
+from kmix.policy import Policy
 from kmix.placing.trace import input_specs
 from kmix._tree import walk
 
@@ -83,15 +84,14 @@ class ExportReport:
 
     def __str__(self):
         top1 = "n/a" if self.top1_agreement is None else f"{self.top1_agreement:.1%}"
-        lines = [
-            f"kmix.export: {self.dtype} weights, float32 in and out; checked on a sample {self.sample}",
-            f"  max |out - float32|: {self.max_abs_diff:.4g} (largest |float32 out| {self.max_abs_float32:.4g}); "
-            f"top-1 = float32: {top1}",
-            f"  weights: {self.weight_bytes:,} bytes ({self.weight_bytes / max(self.float32_weight_bytes, 1):.2f}x "
-            f"their float32 {self.float32_weight_bytes:,})",
-            f"  float32 compute: {len(self.float32_layers)} layers; of these storing {self.dtype}: "
-            f"{self.stored_in_half or 'none'}",
-        ]
+        lines = [f"kmix.export: {self.dtype} weights, float32 in and out; checked on a sample {self.sample}",
+                 f"  max |out - float32|: {self.max_abs_diff:.4g} (largest |float32 out| {self.max_abs_float32:.4g}); "
+                 f"top-1 = float32: {top1}",
+                 f"  weights: {self.weight_bytes:,} bytes "
+                 f"({self.weight_bytes / max(self.float32_weight_bytes, 1):.2f}x their float32 "
+                 f"{self.float32_weight_bytes:,})",
+                 f"  float32 compute: {len(self.float32_layers)} layers; of these storing {self.dtype}: "
+                 f"{self.stored_in_half or 'none'}"]
         lines += [f"  float32 weights kept in {path}: {why}" for path, why in self.kept_float32.items()]
         lines += [f"  wrote {path}: {self.disk_bytes[path]:,} bytes, read back in {self.load_seconds[path]:.2f} s"
                   for path in self.paths]
@@ -118,8 +118,7 @@ def inputs_to_check(model, sample):
         float32 = keras.tree.map_structure(
             lambda s: tf.TensorSpec(s.shape, tf.float32) if tf.as_dtype(s.dtype).is_floating else s, specs)
         x = data.sample_inputs(float32, DRAWN_BATCH, DRAWN_LENGTH, seed=0, vocab=vocab)
-        shapes = keras.tree.map_structure(lambda t: tuple(t.shape), x)
-        return x, f"drawn from the input specs: {shapes}"
+        return x, f"drawn from the input specs: {keras.tree.map_structure(lambda t: tuple(t.shape), x)}"
     if isinstance(sample, tf.data.Dataset):
         batch = next(iter(sample.take(1)), None)
         if batch is None:
@@ -171,9 +170,6 @@ def outputs(model, x):
 
 def refuse(comparison, reference, x, half, float32_layers):
     """The `NotFiniteError` for a half model, naming the layers `kmix.diagnose` finds overflowing on `reference`."""
-    from kmix.diagnose import diagnose
-    from kmix.policy import Policy
-
     diagnosis = None
     try:
         reference.compile(optimizer="sgd", loss="mse")  # a float32 model; its gradients of a squared error
@@ -191,6 +187,5 @@ def refuse(comparison, reference, x, half, float32_layers):
               if found else "Pass the layers to keep in float32 as `float32_layers`, or use dtype='bfloat16' "
               "(float32's range)")
     return NotFiniteError(f"kmix.export refused to write: the {half} model's outputs are not finite on the sample "
-                          "where the float32 model's are (largest |float32 output| "
-                          f"{comparison.max_abs_float32:.4g}). Layers to keep in float32: {found or 'not found'}; "
-                          f"{why}\n{advice}.", keep, diagnosis)
+                          f"where the float32 model's are (largest |float32 output| {comparison.max_abs_float32:.4g}). "
+                          f"Layers to keep in float32: {found or 'not found'}; {why}\n{advice}.", keep, diagnosis)

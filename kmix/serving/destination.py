@@ -1,12 +1,10 @@
 """Where `kmix.export` writes: the path checked at the call, the artifact moved in whole, nothing else removed.
 
-As Keras's `model.export` / `model.save`: a SavedModel goes to a new path or an empty directory, a `.keras` file
-to a new path; anything else there is refused unless `overwrite=True`, which replaces only the artifact's own
-files. `Target.commit` moves the artifact in with one rename, one exchange (`renameat2`), or file by file under
-a record that undoes them: an interrupt leaves the old artifact or the new one. The next export cleans up after
-a killed one. docs/guide.md ("What `export` writes at the path") says it for users.
+`Target.commit` moves the artifact in with one rename, one exchange (`renameat2`), or file by file under a record
+that undoes them; the next export cleans up after a killed one (docs/guide.md, "What `export` writes at the path").
 """
 
+import contextlib
 import ctypes
 import json
 import os
@@ -17,10 +15,8 @@ import warnings
 
 _LEFTOVER = re.compile(r"^\.kmix-(partial|replaced)-(\d+)-")
 # A SavedModel's own files: a directory holding only these is an artifact that overwrite replaces whole.
-_SAVED_MODEL_FILE = re.compile(
-    r"^(saved_model\.pb(?:txt)?|fingerprint\.pb|keras_metadata\.pb|variables/variables\.index"
-    r"|variables/variables\.data-\d+-of-\d+)$"
-)
+_SAVED_MODEL_FILE = re.compile(r"^(saved_model\.pb(?:txt)?|fingerprint\.pb|keras_metadata\.pb"
+                               r"|variables/variables\.index|variables/variables\.data-\d+-of-\d+)$")
 _SAVED_MODEL_DIRS = ("variables", "assets")
 _JOURNAL, _REPLACED = ".kmix-moves.json", ".kmix-replaced"
 _LAST = "saved_model.pb"  # moved in last: the directory holds no new SavedModel until every file is in
@@ -29,10 +25,8 @@ _LAST = "saved_model.pb"  # moved in last: the directory holds no new SavedModel
 class Target:
     """One path `kmix.export` writes, checked where it is made; `partial` is where the artifact is written.
 
-    Args:
-        path: a directory for a SavedModel, or a path ending in `.keras`.
-        overwrite: whether an existing artifact (or other files) may be there.
-        name: the argument's name, for errors.
+    `path`: a SavedModel directory or a path ending in `.keras`; `overwrite`: whether an existing artifact (or other
+    files) may be there; `name`: the argument's name, for errors.
     """
 
     def __init__(self, path, overwrite, name="filepath"):
@@ -42,8 +36,7 @@ class Target:
         head, tail = os.path.split(self.path)
         for directory in {head, self.path}:
             clean_leftovers(directory)
-        mode = self.mode()
-        into = self.path if mode == "merge" else head
+        into = self.path if self.mode() == "merge" else head
         self.partial = os.path.join(into, f".kmix-partial-{os.getpid()}-{uuid.uuid4().hex[:8]}-{tail}")
 
     def mode(self):
@@ -69,12 +62,11 @@ class Target:
         working = _holds_working_directory(path)
         if (entries or working) and not self.overwrite:
             what = "the working directory (or holds it)" if working else "a directory that is not empty"
-            raise ValueError(
-                f"`{self.name}` names {what}, holding {entries[:5]}{' ...' if len(entries) > 5 else ''}: "
-                f"kmix.export writes into a new or empty directory. Received: {shown}. Pass a new path, or "
-                "overwrite=True to write the SavedModel's files (saved_model.pb, fingerprint.pb, variables/, "
-                "assets/) into it: every other file there is kept, as Keras's `model.export` keeps them."
-            )
+            raise ValueError(f"`{self.name}` names {what}, holding {entries[:5]}{' ...' if len(entries) > 5 else ''}: "
+                             f"kmix.export writes into a new or empty directory. Received: {shown}. Pass a new path, "
+                             "or overwrite=True to write the SavedModel's files (saved_model.pb, fingerprint.pb, "
+                             "variables/, assets/) into it: every other file there is kept, as Keras's "
+                             "`model.export` keeps them.")
         for entry, directory in [("saved_model.pb", False), ("fingerprint.pb", False), ("variables", True),
                                  ("assets", True)]:
             there = os.path.join(path, entry)
@@ -212,10 +204,8 @@ def _undo_merge(partial):
         elif os.path.lexists(kept):
             os.replace(kept, there)
     for d in sorted(record["created"], reverse=True):
-        try:
+        with contextlib.suppress(OSError):  # not empty (or gone): kept
             os.rmdir(os.path.join(path, d))
-        except OSError:
-            pass  # not empty (or gone): kept
     os.remove(os.path.join(partial, _JOURNAL))
 
 
@@ -233,8 +223,7 @@ def _tree(root):
     for here, subdirs, names in os.walk(root):
         rel = os.path.relpath(here, root)
         subdirs.sort()
-        for d in subdirs:
-            dirs.append(os.path.normpath(os.path.join(rel, d)))
+        dirs += [os.path.normpath(os.path.join(rel, d)) for d in subdirs]
         files += [os.path.normpath(os.path.join(rel, n)) for n in sorted(names)]
     return dirs, sorted(files, key=lambda f: f == _LAST)
 
@@ -260,11 +249,10 @@ def _holds_working_directory(path):
 
 def _running(pid):
     try:
-        os.kill(pid, 0)
+        with contextlib.suppress(PermissionError):  # another user's process: running
+            os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
     return True
 
 

@@ -1,8 +1,4 @@
-"""The half weights `kmix.export` serves and stores: one choice of which variables go half, two ways to hold them.
-
-A SavedModel serves the model through `HalfWeights`; a `.keras` file is written from a placed copy whose float32
-layers store their matrices half (`store_in_half`). Vectors of float32 layers and values beyond the half range stay.
-"""
+"""The half weights `kmix.export` serves (`HalfWeights`) and stores (`store_in_half`): which variables go half."""
 
 import keras
 import numpy as np
@@ -51,8 +47,7 @@ def _chosen(model, half, float32_compute_only=False):
     rows, kept = [], {}
     for path, layer, _ in walk(model):
         weights = [v for v in own_weights(layer) if keras.backend.standardize_dtype(v.dtype) == "float32"]
-        in_float32 = layer.compute_dtype == "float32"
-        has_matrix = any(len(v.shape) >= 2 for v in weights)
+        in_float32, has_matrix = layer.compute_dtype == "float32", any(len(v.shape) >= 2 for v in weights)
         if not weights or (in_float32 and not has_matrix) or (float32_compute_only and not in_float32):
             continue
         largest = max(float(tf.reduce_max(tf.abs(v.value))) if int(np.prod(v.shape)) else 0.0 for v in weights)
@@ -92,8 +87,7 @@ class HalfWeights:
         """The model on `x` with the half weights in, outputs float32; inside `serving()`."""
         mapping = [(variable, tf.cast(copy, "float32")) for variable, copy in self._mapped]
         with keras.StatelessScope(state_mapping=mapping):
-            out = self.model(x, training=False)
-        return artifact.as_float32(out)
+            return artifact.as_float32(self.model(x, training=False))
 
     def variables(self):
         """The half variables (the artifact stores them)."""
@@ -105,15 +99,10 @@ class HalfWeights:
 
 
 def store_in_half(model, half):
-    """Gives the float32 layers of `model` that hold a matrix half variables; their float32 compute stays.
+    """Gives the float32 layers of `model` (placed as O2) that hold a matrix `half` variables; their compute stays.
 
-    Args:
-        model: a model placed under a half-parameter policy (`kmix.autocast(..., "O2")`).
-        half: `"bfloat16"` or `"float16"`.
-
-    Returns:
-        `(stored, kept)`: the paths of the layers now storing half variables, and `{path: reason}` for the
-        float32 layers with a matrix that keep float32 variables (a value beyond the half range).
+    Returns `(stored, kept)`: the paths of the layers now storing half variables, and `{path: reason}` for the
+    float32 layers with a matrix that keep float32 variables (a value beyond the half range).
     """
     rows, kept = _chosen(model, half, float32_compute_only=True)
     stored = [path for path, _, _, _ in rows]
@@ -127,8 +116,7 @@ def store_in_half(model, half):
             layer.dtype_policy = keras.dtype_policies.DTypePolicyMap(default_policy=current,
                                                                      policy_map={layer.path: policy})
     if stored:
-        # Where a block re-creates a stored layer with its own dtype (a keras-hub backbone's token
-        # embedding), the block's policy map records the layer's, so that `load_model` restores it.
+        # A block re-creating a stored layer with its own dtype (keras-hub's token embedding) records it in its map.
         rebuilt = twin.build(model)
         found = twin.differences(model, rebuilt.model) if rebuilt.error is None else None
         if found:
@@ -140,8 +128,7 @@ def weight_bytes(model, served_half=()):
     """`(bytes as stored, bytes in float32)` of `model`'s variables; `served_half`: ids of those served in 2 bytes."""
     stored = as_float32 = 0
     for variable in model.weights:
-        size = int(np.prod(variable.shape))
-        dtype = keras.backend.standardize_dtype(variable.dtype)
+        size, dtype = int(np.prod(variable.shape)), keras.backend.standardize_dtype(variable.dtype)
         itemsize = 2 if id(variable) in served_half or dtype in ("bfloat16", "float16") else np.dtype(dtype).itemsize
         stored += size * itemsize
         as_float32 += size * (4 if keras.backend.is_float_dtype(dtype) else itemsize)

@@ -1,7 +1,4 @@
-"""`kmix.export(model, path)`: place, write beside the path, read back and check against float32, move in.
-
-A SavedModel is served from the model itself, placed in place for the export; a `.keras` file from a placed copy.
-"""
+"""`kmix.export(model, path)`: place, write beside the path, read back and check against float32, move in."""
 
 import gc
 import os
@@ -26,9 +23,8 @@ _HALF = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "f16"
 def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, verbose=True, overwrite=False):
     """Writes a half-precision serving artifact of `model`, checked against its float32 outputs.
 
-    A SavedModel directory (a `serve` endpoint and `serving_default`), or for a path ending in `.keras` a file
-    Keras alone loads; weights in `dtype`, placed as kmix's O2, float32 in and out. It is written beside the
-    path, read back and checked on `sample` before it is moved in; `model` is left as it was (docs/guide.md).
+    A SavedModel directory, or a `.keras` file Keras alone loads; weights in `dtype`, float32 in and out;
+    written beside the path and checked on `sample` before it is moved in; `model` is left as it was.
 
     Args:
         model: a built `keras.Model`, in float32 or already placed by `kmix.autocast`.
@@ -52,13 +48,9 @@ def export(model, filepath, dtype="bfloat16", sample=None, float32_layers=None, 
     Example:
 
     >>> report = kmix.export(model, "serving/1", sample=x_val[:64])
-    >>> served = tf.saved_model.load("serving/1")
-    >>> probs = served.serve(x_val[:8])                     # float32 in, float32 out
-    >>> infer = served.signatures["serving_default"]        # by name, as TF Serving calls it
-    >>> probs = infer(features=tf.constant(x_val[:8]))["output_0"]  # keras.Input(name="features")
+    >>> probs = tf.saved_model.load("serving/1").serve(x_val[:8])  # float32 in, float32 out
     """
-    targets = _check_paths(filepath, overwrite)
-    half = _check_dtype(dtype)
+    targets, half = _check_paths(filepath, overwrite), _check_dtype(dtype)
     _checks.built_model(model)
     say = progress if verbose else (lambda message: None)
     x, origin = check.inputs_to_check(model, sample)
@@ -82,8 +74,7 @@ def _export_in_place(model, targets, half, x, origin, float32_layers, say):
                 kept.restore_layers()
         say(f"kmix.export: placing {model.name!r} ({half}, in place for the export)")
         _autocast(model, Policy("O1", half=half), float32_layers)
-        weights = half_weights.HalfWeights(model, half)
-        signature = artifact.input_signature(model, model, x)
+        weights, signature = half_weights.HalfWeights(model, half), artifact.input_signature(model, model, x)
         serve = tf.function(weights.call, input_signature=signature, autograph=False)  # traced once, on write
         written = [digest(v) for v in weights.variables()]
         sizes, stored, kept_float32 = weights.bytes(), weights.stored_in_half, weights.kept_float32
@@ -148,11 +139,8 @@ def _export_copy(model, targets, half, x, origin, float32_layers, say):
 
 
 def _write_checked(targets, write, verify, say, release=None):
-    """`{path: (Comparison, seconds, bytes on disk)}`: each written by `write(to)`, checked by `verify(to, path)`.
-
-    Each is moved in once checked; on any exception (an interrupt included) its partial artifact is discarded
-    and its path left as it was. `release()` runs between writing and checking the last one.
-    """
+    """`{path: (Comparison, seconds, bytes on disk)}`: each written by `write(to)`, checked by `verify(to, path)`,
+    moved in; on any exception its partial artifact is discarded. `release()` runs before checking the last."""
     done = {}
     for target in targets:
         say(f"kmix.export: writing {target.given}")
