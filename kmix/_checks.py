@@ -21,6 +21,13 @@ def integer(name, value, minimum=1):
     return int(value)
 
 
+def boolean(name, value):
+    """`value` if it is True or False; a `TypeError` naming `name` otherwise."""
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be True or False. Received: {name}={value!r}.")
+    return value
+
+
 def real(name, value, low=None, high=None, low_open=False, high_open=False, allow_inf=False):
     """`value` as a float within the bounds; `TypeError` / `ValueError` naming `name` otherwise.
 

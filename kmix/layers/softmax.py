@@ -6,6 +6,7 @@ first (`autocast=False`).
 
 import keras
 
+from kmix import _checks
 from kmix.ops.softmax import _masked_softmax
 
 
@@ -42,9 +43,7 @@ class Softmax(keras.layers.Softmax):
     _mask_names = {"bias_where": " of `kmix.layers.MaskedSoftmax`"}
 
     def __init__(self, axis=-1, output_dtype=None, autocast=False, **kwargs):
-        if not isinstance(autocast, bool):
-            raise TypeError(f"`autocast` must be True or False. Received: autocast={autocast!r}.")
-        super().__init__(axis=axis, autocast=autocast, **kwargs)
+        super().__init__(axis=axis, autocast=_checks.boolean("autocast", autocast), **kwargs)
         self.output_dtype = _standardize_output_dtype(output_dtype)
 
     def call(self, inputs, mask=None):

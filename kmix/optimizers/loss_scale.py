@@ -80,8 +80,8 @@ class LossScaleOptimizer(scaling.Settling, steps.Accumulation, keras.optimizers.
         self._master_weights_request = master_weights
         self.accumulation_steps = scaling.count("accumulation_steps", accumulation_steps)
         self.allreduce_dtype = allreduce.check_dtype(allreduce_dtype)
-        self.restore_on_skip = scaling.flag("restore_on_skip", restore_on_skip)
-        self.fused_update = scaling.flag("fused_update", fused_update)
+        self.restore_on_skip = checks.boolean("restore_on_skip", restore_on_skip)
+        self.fused_update = checks.boolean("fused_update", fused_update)
         updates.use_fused_adam(inner_optimizer, fused_update)
         self._marks = steps.StepMarks()
         self._tracked = None  # a weak reference to the model `track` was given, or a tuple of variables

@@ -75,13 +75,6 @@ def count(name, value):
     return value
 
 
-def flag(name, value):
-    """`value` if it is True or False; a `TypeError` naming `name` otherwise."""
-    if not isinstance(value, bool):
-        raise TypeError(f"`{name}` must be True or False. Received: {name}={value!r}")
-    return value
-
-
 def check_scales(initial_scale, dynamic, min_scale, max_scale):
     """`(initial_scale, dynamic, min_scale, max_scale)` checked; `"auto"` kept for the first two."""
     if initial_scale != AUTO:

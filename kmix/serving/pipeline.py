@@ -210,8 +210,7 @@ def _computes_in_float32(model):
 
 def _check_paths(filepath, overwrite):
     """A `destination.Target` for each path, checked (and leftovers of killed exports cleaned) at the call."""
-    if not isinstance(overwrite, bool):
-        raise TypeError(f"`overwrite` must be True or False. Received: overwrite={overwrite!r}.")
+    _checks.boolean("overwrite", overwrite)
     paths = list(filepath) if isinstance(filepath, (list, tuple)) else [filepath]
     if not paths:
         raise ValueError("`filepath` must name at least one artifact. Received: filepath=[].")
