@@ -8,6 +8,8 @@ argument, what was received and what is accepted, the way Keras does:
 import math
 import numbers
 
+import keras
+
 
 def integer(name, value, minimum=1):
     """`value` as an int >= `minimum`; `TypeError` / `ValueError` naming `name` otherwise."""
@@ -26,6 +28,20 @@ def boolean(name, value):
     if not isinstance(value, bool):
         raise TypeError(f"`{name}` must be True or False. Received: {name}={value!r}.")
     return value
+
+
+def optimizer(value):
+    """A Keras optimizer from `value` (one, its name or its config dict); errors naming `optimizer` otherwise."""
+    if isinstance(value, keras.optimizers.Optimizer):
+        return value
+    if isinstance(value, (str, dict)):
+        try:
+            return keras.optimizers.get(value)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"`optimizer` names no Keras optimizer ({type(e).__name__}: {str(e)[:200]}). "
+                             f"Received: optimizer={value!r}") from None
+    raise TypeError("`optimizer` must be a Keras optimizer (a keras.optimizers.Optimizer), its name (e.g. \"adamw\") "
+                    f"or its config dict. Received: optimizer={value!r} of type {type(value).__name__}.")
 
 
 def real(name, value, low=None, high=None, low_open=False, high_open=False, allow_inf=False):

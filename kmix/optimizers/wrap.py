@@ -6,6 +6,7 @@ import logging
 import keras
 import tensorflow as tf
 
+from kmix import _checks as checks
 from kmix.optimizers.loss_scale import LossScaleOptimizer
 from kmix.optimizers.scaling import AUTO
 
@@ -58,18 +59,4 @@ def wrap(optimizer, **kwargs):
             "initial_scale": scale, "growth_interval": optimizer.dynamic_growth_steps, **kwargs})
     float16 = keras.config.dtype_policy().compute_dtype == "float16"
     defaults = {"dynamic": True if float16 else AUTO, "initial_scale": AUTO}
-    return LossScaleOptimizer(_get_optimizer(optimizer), **{**defaults, **kwargs})
-
-
-def _get_optimizer(optimizer):
-    if isinstance(optimizer, keras.optimizers.Optimizer):
-        return optimizer
-    if isinstance(optimizer, (str, dict)):
-        try:
-            return keras.optimizers.get(optimizer)
-        except ValueError as e:
-            raise ValueError(f"`optimizer` could not be interpreted as a Keras optimizer. Received: optimizer="
-                             f"{optimizer!r}. Expected an optimizer instance, a name such as 'adam' or a config "
-                             f"dict. ({e})") from None
-    raise TypeError("`optimizer` must be a keras.optimizers.Optimizer instance, a name such as 'adam', or a config "
-                    f"dict. Received: optimizer={optimizer!r} (of type {type(optimizer).__name__}).")
+    return LossScaleOptimizer(checks.optimizer(optimizer), **{**defaults, **kwargs})

@@ -11,6 +11,7 @@ import numbers
 import keras
 import numpy as np
 
+from kmix import _checks as checks
 from kmix.policy.policy import _OPT_LEVELS, Policy, parse
 
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -235,16 +236,7 @@ def _slots_per_param(optimizer):
             "`optimizer` must be a Keras optimizer, a name, a config dict, a number of slots per "
             f"parameter or None. Received: optimizer={optimizer!r} (of type {type(optimizer).__name__})."
         )
-    if isinstance(optimizer, keras.optimizers.Optimizer):
-        probe_opt = _fresh(optimizer)
-    else:
-        try:
-            probe_opt = keras.optimizers.get(optimizer)
-        except ValueError as e:
-            raise ValueError(
-                f"`optimizer` is no Keras optimizer. Received: optimizer={optimizer!r}. Expected an "
-                f"optimizer, a name such as 'adam', a config dict, a slot count or None. ({e})"
-            ) from None
+    probe_opt = _fresh(optimizer) if isinstance(optimizer, keras.optimizers.Optimizer) else checks.optimizer(optimizer)
     _built_on_probe(probe_opt, "float32")
     return sum(int(np.prod(v.shape)) for v in probe_opt.variables if len(v.shape) > 0) / _PROBE_SIZE
 

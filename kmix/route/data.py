@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from kmix import _checks
 from kmix.diagnose.data import first_line, float_values
 
 BATCH_SIZE = 32  # rows timed when `batch_size` is not given, as `fit`'s default
@@ -76,17 +77,9 @@ def _tensors(data):
 
 def check_optimizer(optimizer):
     """`optimizer` unchanged where it is None, a Keras optimizer, its name or its config dict; else an error."""
-    if optimizer is None or isinstance(optimizer, keras.optimizers.Optimizer):
-        return optimizer
-    if isinstance(optimizer, (str, dict)):
-        try:
-            keras.optimizers.get(optimizer)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"`optimizer` names no Keras optimizer ({type(e).__name__}: {str(e)[:200]}). "
-                             f"Received: optimizer={optimizer!r}") from None
-        return optimizer
-    raise TypeError("`optimizer` must be a Keras optimizer, its name (e.g. \"adamw\") or its config dict. "
-                    f"Received: optimizer={optimizer!r} of type {type(optimizer).__name__}.")
+    if optimizer is not None:
+        _checks.optimizer(optimizer)
+    return optimizer
 
 
 def training_setup(model, loss, optimizer):
