@@ -108,8 +108,9 @@ class Rules:
             layer, parent = fact.layer, fact.parent
             if isinstance(layer, WithPolicy) or id(parent) in kept:
                 kept.add(id(layer))
-            if layer.name in self.names or fact.path in self.names or id(parent) in named:
-                named.add(id(layer))
+            if (layer.name in self.names or fact.path in self.names or isinstance(layer, self.classes)
+                    or id(parent) in named):
+                named.add(id(layer))  # and everything inside it
             if id(layer) in kept:
                 dtype, kind, reason = None, Kind.KEPT, "WithPolicy: kept"
             else:
@@ -123,7 +124,7 @@ class Rules:
     def _place(self, fact, named):
         """`(policy name, Kind, reason)` for one layer."""
         layer, half, in_block = fact.layer, self.default.name, not is_graph_model(fact.parent)
-        if named or isinstance(layer, self.classes):
+        if named:
             return "float32", Kind.NAMED, "float32_layers"
         if is_graph_model(layer):
             return None, Kind.NESTED, "a nested model: its layers are placed"
