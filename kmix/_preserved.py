@@ -148,7 +148,7 @@ class _ExitGuard:
             self.previous = signal.signal(signal.SIGINT, self._handle)
 
     def _handle(self, signum, frame):
-        if self.holding or frame.f_code is _EXIT:  # `holding` is set by __exit__'s first line
+        if self.holding or (frame is not None and frame.f_code is _EXIT):  # `holding` is set by __exit__'s first line
             self.received.append(signum)
             return
         if callable(self.previous):

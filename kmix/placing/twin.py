@@ -23,9 +23,9 @@ from kmix.placing.write import Edits, is_constant
 
 _OUT_OF_MEMORY = (MemoryError, tf.errors.ResourceExhaustedError)
 
-Twin = collections.namedtuple("Twin", "model global_policy error maps", defaults=(None,))
+Twin = collections.namedtuple("Twin", "model global_policy error")
 Twin.__doc__ = """`build`'s twin (or None), the global policy object it was built under (held by its layers made
-without `dtype=`), the error that stopped it, and the `renaming.TwinMaps` that made its policy maps (or None)."""
+without `dtype=`), and the error that stopped it."""
 
 
 class Verdict:
@@ -69,7 +69,7 @@ def build(model, layers=None, maps=None):
                 twin, error = trace.attempt(keras.saving.deserialize_keras_object, config, safe_mode=False)
     finally:
         keras.config.set_dtype_policy(previous)
-    return Twin(twin, sentinel, error, maps)
+    return Twin(twin, sentinel, error)
 
 
 def _config(model):
