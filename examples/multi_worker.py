@@ -26,7 +26,7 @@ its own shard of the data (`distribute_datasets_from_function`). Without
 
     python examples/multi_worker.py --steps 50
 
-Test hooks (tests/distributed/test_multi_worker.py runs this script as the
+Test hooks (tests/distribute/test_multi_worker.py runs this script as the
 worker program): `--overflow STEP:WORKER` puts an inf into that worker's batch
 at that step; `--drop STEP` leaves that step out on every worker; `--save DIR`
 writes the final weights and optimizer state to `DIR/worker<index>.npz`.

@@ -23,7 +23,7 @@ RUNS = {
     "custom_training_loop": ["--steps", "30", "--bad-batch", "5"],
     "mirrored_strategy": ["--steps", "30", "--bad-batch", "3"],
 }
-if FULL:  # its workers are three more TensorFlow processes; tests/distributed runs the same fit by default
+if FULL:  # its workers are three more TensorFlow processes; tests/distribute runs the same fit by default
     RUNS["multi_worker_fit"] = ["--epochs", "2", "--batches", "10", "--bad-batch", "3", "--timeout", "200"]
 TIMEOUT = 240
 

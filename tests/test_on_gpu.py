@@ -276,5 +276,5 @@ def test_demo_on_the_gpu(tmp_path):
     assert results["naive"]["first_nan_step"] == 1
     assert results["kmix"]["first_nan_step"] is None
     f32, ours = results["float32"], results["kmix"]
-    assert abs(ours["final_loss"] - f32["final_loss"]) <= 0.1 * f32["final_loss"] + 0.02  # as tests/test_demo.py
+    assert abs(ours["final_loss"] - f32["final_loss"]) <= 0.1 * f32["final_loss"] + 0.02  # as tests/demo/test_demo.py
     assert abs(ours["accuracy"] - f32["accuracy"]) <= 0.05

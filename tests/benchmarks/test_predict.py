@@ -24,7 +24,7 @@ def test_quick_run_prints_every_route(capsys):
     assert "top-1 = f32" in text and str(rec) in text
     # The served rows: Keras's float32 SavedModel computes the float32 model; kmix.export's artifact
     # rounds as bfloat16 does, in fewer bytes (at --quick sizes the graph, the same in both, weighs
-    # as much as the weights; tests/test_export.py checks 0.55x where the weights dominate).
+    # as much as the weights; tests/serving/test_export.py checks 0.55x where the weights dominate).
     by_stack = {r["stack"]: r for r in out["results"]}
     keras_export, half = by_stack["keras-export"], by_stack["kmix.export"]
     assert keras_export["max_abs_diff"] < 1e-5 and 0.0 < half["max_abs_diff"] < 0.1

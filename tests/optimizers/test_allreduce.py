@@ -1,7 +1,7 @@
 """`allreduce_dtype`: gradients summed in float16 / bfloat16 over two replicas, checked on the sums.
 
 Two replicas are `MirroredStrategy` over the two logical CPUs of tests/conftest.py;
-two workers are tested in tests/distributed/test_multi_worker_fit.py.
+two workers are tested in tests/distribute/test_multi_worker_fit.py.
 """
 
 import ml_dtypes

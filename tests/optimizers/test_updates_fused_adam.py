@@ -165,7 +165,7 @@ def test_fused_model_saves_and_reloads(tmp_path):
 def test_fused_update_on_real_models_follows_keras_update(name, level):
     """keras-hub's BERT (with a pooling slice) and a keras.ops graph, trained with both updates."""
     pytest.importorskip("keras_hub")
-    from tests.policy.test_real_models import MODELS
+    from tests.placing.test_real_models import MODELS
 
     runs = {}
     for fused in (True, False):

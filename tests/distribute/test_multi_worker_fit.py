@@ -1,6 +1,6 @@
 """`model.fit` under `MultiWorkerMirroredStrategy` with `kmix.distribute.enable_multi_worker_fit()`.
 
-Two worker processes on 127.0.0.1 (tests/distributed/fit_worker.py) against a
+Two worker processes on 127.0.0.1 (tests/distribute/fit_worker.py) against a
 reference process running `MirroredStrategy` over two logical CPUs on the same
 global batches; then (`KMIX_FULL_TESTS=1`) a pair in which worker 1 dies
 mid-training and both are restarted from `BackupAndRestore`. Every process runs under a deadline and is
@@ -22,7 +22,7 @@ from kmix import _compat
 from tests.fault.processes import REPO, Worker, free_ports, report, run_all, worker_env
 from tests.testing import full_only
 
-SCRIPT = REPO / "tests" / "distributed" / "fit_worker.py"
+SCRIPT = REPO / "tests" / "distribute" / "fit_worker.py"
 TIMEOUT = 240  # seconds for a group of processes; a group takes 30-60 s on two busy cores
 STEPS = 6  # 44 rows in global batches of 8: five full batches and one of 4
 

@@ -27,7 +27,7 @@ from keras_hub.src.models.t5.t5_layer_norm import T5LayerNorm  # noqa: E402
 from keras_hub.src.models.t5.t5_multi_head_attention import T5MultiHeadAttention  # noqa: E402
 
 SEQ, VOCAB, BATCH = 6, 30, 2
-TOLERANCE = 3e-2  # tests/policy/test_real_models.py's float16 tolerance, relative to max |float32 output|
+TOLERANCE = 3e-2  # tests/placing/test_real_models.py's float16 tolerance, relative to max |float32 output|
 RMS = 1000.0  # of the embeddings: what enters the first norm of every block stack
 # The layers writing into the residual stream, scaled so that each block adds as much as the
 # embeddings hold: the output then depends on what the norms hand the blocks.
@@ -50,7 +50,7 @@ DECODER = dict(vocabulary_size=VOCAB, num_layers=2, num_query_heads=2, num_key_v
                hidden_dim=16, intermediate_dim=32)
 BACKBONES = {
     # T5's attention adds a -1e9 mask: -inf in float16 whatever the norms do (kmix.diagnose and
-    # `sample=` find it, tests/policy/test_autocast_sample.py); kept float32 here, so that what
+    # `sample=` find it, tests/placing/test_autocast_sample.py); kept float32 here, so that what
     # this test sees is the norms.
     "T5Backbone": (dict(vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
                         key_value_dim=8, dropout=0.0), _t5_inputs, T5LayerNorm, [T5MultiHeadAttention]),

@@ -188,7 +188,7 @@ def _close(got, expected):
 def test_served_without_kmix_by_name_as_float32_predicts(served, name):
     here, results, report = served
     assert "kmix" in report["blocked"] and report["kmix_modules"] == []
-    assert not str(here).startswith(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert not str(here).startswith(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     expected, got = results[name]["expected"], results[name]["got"]
     assert expected[0].shape[0] == SERVED != SAMPLE
     for i, e in enumerate(expected):

@@ -1,4 +1,4 @@
-"""The program tests/distributed/test_multi_worker_fit.py runs: `model.fit` under a strategy.
+"""The program tests/distribute/test_multi_worker_fit.py runs: `model.fit` under a strategy.
 
 `--strategy multi_worker`: one of two `MultiWorkerMirroredStrategy` workers
 (its `TF_CONFIG` says which), with `kmix.distribute.enable_multi_worker_fit()`.

@@ -16,7 +16,7 @@ import tensorflow as tf
 import kmix
 from tests.testing import full_only
 
-TOLERANCE = 3e-2  # tests/policy/test_real_models.py's float16 tolerance, relative to max |float32 output|
+TOLERANCE = 3e-2  # tests/placing/test_real_models.py's float16 tolerance, relative to max |float32 output|
 
 
 def _overflow_model():
