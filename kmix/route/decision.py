@@ -50,7 +50,8 @@ def decide(probe, gpus, cpu, onednn=None):
     """The `Recommendation` from a `kmix.device.Probe` and the device facts (`gpus()`, `cpu_features()`, oneDNN)."""
     choice = choose(probe.times(), bool(gpus), MIN_SPEEDUP, FLOAT16_MARGIN, tie="float32")
     (dtype, jit), (_, ref_jit) = choice.route, choice.reference
-    rates = "; ".join(f"{d} {_g(probe.rate(d, False))} / {_g(probe.rate(d, True))}" for d in DTYPES)
+    shown = lambda d, jit: _g(probe.rate(d, jit)) if jit in probe.compilations else "not probed"  # noqa: E731
+    rates = "; ".join(f"{d} {shown(d, False)} / {shown(d, True)}" for d in DTYPES)
     reasons = [facts.describe(gpus, cpu, onednn), f"Measured on {probe.device} (training step of an MLP "
                f"{probe.step}), GFLOP/s as tf.function / XLA: {rates}."]
     if dtype == "float32":

@@ -28,7 +28,8 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
             optimizer, its name or its config dict, its settings copied for every route.
         dtypes: the dtypes to time, e.g. `("float32", "bfloat16")`, instead of the probe's choice.
         budget_s: seconds for the whole call, probing, building and compiling included (a positive number;
-            kept within 1.25x where it covers the probe). Where no half route was timed, the probe decides.
+            kept within 1.25x where it covers the probe's tf.function traces: the probe takes at most 0.4x of it,
+            XLA's compilations left out where they would not fit). Where no half route was timed, the probe decides.
         probe: a `kmix.device.Probe` to use instead of measuring one; `verbose`: progress lines on stderr.
 
     Returns:
@@ -43,7 +44,7 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
     optimizer = data.check_optimizer(optimizer)
     if model is None or (x is None and y is None and sample is None):
         probe = _measured(probe, verbose and "probing this device (a transformer MLP's training step)",
-                          None if model is None else model_shape(model))
+                          None if model is None else model_shape(model), limit_s=budget_s)
         rec = decide(probe, facts.gpus(), facts.cpu_features(), facts.onednn_enabled())
         return rec if model is None else _noted(rec, "Sized from the model's dense layers, not timed on it: pass "
                                                 "x=, y= (or sample=) to time your own training step on each route.")
@@ -53,7 +54,7 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
     notes = data.nonfinite_notes(batch, "sample" if sample is not None else None)
     if dtypes is None:
         probe = _measured(probe, verbose and "probing this device for the half dtypes worth timing", None,
-                          _probe_budget(budget_s))
+                          _probe_budget(budget_s), PROBE_SHARE * budget_s)
         dtypes, skipped = rule.candidates(probe)
     else:
         dtypes, skipped = rule.check_dtypes(dtypes), ()
@@ -63,7 +64,7 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
     spent = time.perf_counter() - start
     cheapest = min(seconds for (policy, _), seconds in firsts.items() if policy == "float32")
     if cheapest > budget_s - spent:  # not even one route fits: what this device's probe measured decides
-        probe = _measured(probe, None, model_shape(model), _probe_budget(budget_s))
+        probe = _measured(probe, None, model_shape(model), _probe_budget(budget_s), budget_s - spent)
         rec = decide(probe, gpus, facts.cpu_features(), facts.onednn_enabled())
         return _noted(rec, f"budget_s={budget_s:g} left {max(budget_s - spent, 0):.1f} s after {spent:.1f} s of "
                       f"probing and checks: not enough to build one route on the model (about {cheapest:.1f} s, "
@@ -78,19 +79,22 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
     table = dataclasses.replace(table, skipped=tuple(skipped))
     if probe is None and no_half_timed(table):  # dtypes= given: the probe that decides is measured now
         probe = _measured(probe, verbose and "no half route timed within budget_s: probing this device to decide",
-                          model_shape(model), _probe_budget(budget_s))
+                          model_shape(model), _probe_budget(budget_s), PROBE_SHARE * budget_s)
     return _noted(decide_routes(table, probe, gpus, facts.cpu_features(), facts.onednn_enabled()), *notes)
 
 
-def _measured(probe, why, shape, budget=0.25):
-    """`probe`, else the device's probe measured now, saying `why` on stderr (when not None or False)."""
+def _measured(probe, why, shape, budget=0.25, limit_s=None):
+    """`probe`, else the device's probe measured now (within `limit_s`), saying `why` on stderr (when truthy)."""
     if probe is None and why:
         progress(f"kmix.recommend: {why}")
-    return measure_probe(shape, budget) if probe is None else probe
+    return measure_probe(shape, budget, limit_s) if probe is None else probe
 
 
 def _noted(rec, *notes):
     return dataclasses.replace(rec, reasons=rec.reasons + notes) if notes else rec
+
+
+PROBE_SHARE = 0.4  # of budget_s, for the device's probe before any route is built: XLA left out beyond it
 
 
 def _probe_budget(budget_s):

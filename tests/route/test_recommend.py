@@ -11,7 +11,7 @@ import tensorflow as tf
 import kmix
 from kmix import _compat, device
 from kmix.route import trials
-from kmix.route.recommendation import decide_routes
+from kmix.route.recommendation import decide, decide_routes
 from tests.testing import created_variables
 from tests.route.fakes import CPU_PLAIN, FAKE_PROBE, STEADY, route_table
 
@@ -295,3 +295,22 @@ def test_recommend_with_an_optimizer_that_moves_at_learning_rate_0_keeps_a_copy_
     before = _state(model)
     kmix.recommend(model, x, y, batch_size=8, dtypes=("bfloat16",), budget_s=3.0, probe=FAKE_PROBE, verbose=False)
     _assert_same_state(before, _state(model))
+
+
+def test_a_probe_with_no_time_for_xla_leaves_it_out_and_says_so():
+    """#49 item 2: the probe keeps to `limit_s` by leaving XLA's compilations out (they cost several times the
+    tf.function traces); what it measured decides, its table and the reasons say which were not probed, and a
+    later call without a limit measures them (the probe is measured again, not the limited one returned)."""
+    shape = (64, 16, 48)  # a shape no other test probes: the cache holds nothing for it yet
+    limited = device.probe(shape, budget=0.02, limit_s=0.0)
+    assert limited.compilations == (False,) and set(limited.gflops) == {(d, False) for d in device.DTYPES}
+    assert limited.rate("float32", True) == 0.0 and limited.best("float32")[1] is False
+    assert "XLA not probed" in str(limited)
+    rec = decide(limited, [], CPU_PLAIN)
+    assert rec.jit_compile is False and str(rec).count("/ not probed") == 3
+    assert "timed as tf.function only" in str(rec)
+    assert device.probe(shape, budget=0.02, limit_s=0.0) is limited  # cached within the limit
+    full = device.probe(shape, budget=0.02)
+    assert full.compilations == (False, True) and set(full.gflops) == {(d, j) for d in device.DTYPES
+                                                                       for j in (False, True)}
+    assert device.probe(shape, budget=0.02, limit_s=0.0) is full  # the fuller probe answers from then on
