@@ -96,14 +96,15 @@ def score(run):
             for tie, key in (("median", "pick"), ("float32", "strict_pick"))}
 
 
-def summarize(runs):
+def summarize(runs, budget_s=30.0):
     """The table's rows and the closing lines: how often each tie rule is within 5%, and its cost."""
     rows, lines = [], []
     for i, run in enumerate(runs, 1):
         s, fastest, rounds = score(run), min(run["hand_ms"], key=run["hand_ms"].get), sorted(run["rounds"].values())
+        call = f"{run['seconds']:.1f} ({run['seconds'] / budget_s:.2f}x)" if "seconds" in run else "n/a"
         rows.append([i, "n/a" if run["load"] is None else f"{run['load']:.1f}", _label(run["pick"]),
                      f"{rounds[0]}-{rounds[-1]}", "yes" if run["tie"] else "no", fastest, s["median"],
-                     "yes" if s["median"] <= WITHIN else "NO", _label(run["strict_pick"]), s["float32"]])
+                     "yes" if s["median"] <= WITHIN else "NO", _label(run["strict_pick"]), s["float32"], call])
     for tie in rule.TIES:
         costs = [score(run)[tie] for run in runs]
         slower = [c for c in costs if c > WITHIN]
@@ -115,7 +116,7 @@ def summarize(runs):
 
 
 HEADERS = ["run", "load", "recommended", "rounds", "tie", "fastest (hand)", "x fastest", "within 5%",
-           "tie='float32' pick", "x fastest"]
+           "tie='float32' pick", "x fastest", "call s (x budget_s)"]
 
 
 def main(argv=None):
@@ -154,7 +155,7 @@ def main(argv=None):
     print(f"kmix.recommend(model, x, y, batch_size={args.batch_size}) on a {args.blocks}-block encoder, d_model "
           f"{args.d_model}, seq {args.seq}; {args.runs} fresh runs with {args.busy} busy processes beside them; "
           f"CPU {cpu}, {os.cpu_count()} cores; {datetime.date.today().isoformat()}")
-    rows, lines = summarize(runs)
+    rows, lines = summarize(runs, 30.0 if args.budget is None else args.budget)
     print(format_table(HEADERS, rows))
     print("load: the 1-minute load average as the run began. x fastest: the pick's hand-timed median step "
           "over the fastest route's. tie: the reasons say the tie rule decided.", *lines, sep="\n")
