@@ -33,14 +33,11 @@ class Preserved:
 
     Args:
         model: the `keras.Model` to put back.
-        saved: the variables (metrics' included) whose values are kept to
-            restore: `"all"`, `"non-trainable"` (every variable's digest is
-            still checked on exit: one that changed without a copy is an
-            error naming it) or `"none"` (values neither read nor checked).
-        storage: also put back each variable's own storage and dtype (O2
-            and O3 give variables half storage; the float32 one is held).
-        undo: `"always"`, or `"on_error"` (an exception puts everything
-            back; `commit()` keeps what was done).
+        saved: the variables (metrics' included) whose values are kept to restore: `"all"`, `"non-trainable"`
+            (every variable's digest is still checked on exit: one that changed without a copy is an error naming
+            it) or `"none"` (values neither read nor checked).
+        storage: also put back each variable's own storage and dtype (O2 / O3 give half storage; the float32 held).
+        undo: `"always"`, or `"on_error"` (an exception puts everything back; `commit()` keeps what was done).
 
     Example:
 

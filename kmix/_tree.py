@@ -1,10 +1,9 @@
 """The layer tree of a Keras model, walked the one way every part of kmix reads it.
 
-`walk` visits each layer inside a model once, nested models, layers a custom
-layer or a keras-hub block creates in `build` included; `own_weights` are a
-layer's variables that none of its sublayers hold; `resolved_policy` is the
-policy a layer computes under (a `DTypePolicyMap` looked up by its path);
-`digest` fingerprints a variable's value, to tell later whether it moved.
+`walk` visits each layer inside a model once, nested models, layers a custom layer or a keras-hub block creates in
+`build` included; `own_weights` are a layer's variables that none of its sublayers hold; `resolved_policy` is the policy
+a layer computes under (a `DTypePolicyMap` looked up by its path); `digest` fingerprints a variable's value, to tell
+later whether it moved.
 """
 
 import re

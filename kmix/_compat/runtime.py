@@ -36,17 +36,13 @@ def xplane_proto():
 def releasing_custom_gradients():
     """Drops the gradient functions that traces made inside the block registered, on exit.
 
-    Every graph-mode call of a `tf.custom_gradient` function (Keras's own
-    `silu` on TensorFlow, used by Llama, Qwen, Gemma, Mistral...) and every
-    `tf.saved_model.load` of such a model registers a gradient function under
-    a fresh name in TensorFlow's global gradient registry, which is never
-    emptied: it holds the traced graph, and through it whatever the graph
-    captured, for the life of the process. kmix's own traces (the export's
-    served function and its read-back, recommend's timed steps, autocast's
-    check) are thrown away when the call returns, so their registrations are
-    too; a trace that outlives the call (a model's `predict_function`) has
-    already taken its gradients. The registry is `ops.gradient_registry`, a
-    private name with no public way to unregister. Checked on TensorFlow 2.16-2.21.
+    Every graph-mode call of a `tf.custom_gradient` function (Keras's own `silu` on TensorFlow, used by Llama, Qwen,
+    Gemma, Mistral...) and every `tf.saved_model.load` of such a model registers a gradient function under a fresh name
+    in TensorFlow's global gradient registry, which is never emptied: it holds the traced graph, and through it whatever
+    the graph captured, for the life of the process. kmix's own traces (the export's served function and its read-back,
+    recommend's timed steps, autocast's check) are thrown away when the call returns, so their registrations are too; a
+    trace that outlives the call (a model's `predict_function`) has already taken its gradients. The registry is
+    `ops.gradient_registry`, a private name with no public way to unregister. Checked on TensorFlow 2.16-2.21.
     """
     from tensorflow.python.framework import ops
 

@@ -1,15 +1,11 @@
 """A model built without weights, and run on another model's variables: Keras's `StatelessScope`.
 
-`keras.StatelessScope()` makes the variables created inside it without
-storage (Keras registers each as uninitialised), and
-`keras.StatelessScope(state_mapping=[(variable, value), ...])` reads the
-given values in place of the variables': a twin built so computes on the
-model's own variables, with no copy of them. What is private: when the
-outermost `StatelessScope` exits, Keras initialises every variable still on
-its process-wide list of uninitialised variables (`global_state`'s
-`"uninitialized_variables"`), whoever made it, which would allocate the
-twin's weights after all (+1x the model). No public name takes a variable
-off that list, so `stateless` takes off the ones made inside it.
+`keras.StatelessScope()` makes the variables created inside it without storage (Keras registers each as uninitialised),
+and `keras.StatelessScope(state_mapping=[(variable, value), ...])` reads the given values in place of the variables': a
+twin built so computes on the model's own variables, with no copy of them. What is private: when the outermost
+`StatelessScope` exits, Keras initialises every variable still on its process-wide list of uninitialised variables
+(`global_state`'s `"uninitialized_variables"`), whoever made it, which would allocate the twin's weights after all (+1x
+the model). No public name takes a variable off that list, so `stateless` takes off the ones made inside it.
 """
 
 import contextlib

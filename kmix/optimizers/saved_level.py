@@ -128,7 +128,8 @@ class SavedLevel:
                 "saved, or pass skip_mismatch=True to load_weights to load the weights alone.")
 
     def _load_converted(self, store, saved, saved_aux, scale_state):
-        current, variables, here_aux, count = self.layout, list(self.optimizer.variables), self._aux(), len(store.keys())
+        current, variables, here_aux = self.layout, list(self.optimizer.variables), self._aux()
+        count = len(store.keys())
         if {saved.state, current.state} == {"masters", "kahan"}:
             raise ValueError(self._message(saved, "Master copies and Kahan remainders hold different quantities; "
                                                   "neither is made from the other."))

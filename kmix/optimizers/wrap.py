@@ -41,7 +41,7 @@ def wrap(optimizer, **kwargs):
         from kmix.distribute import enable_multi_worker_fit, multi_worker_fit_enabled
         if not multi_worker_fit_enabled():
             enable_multi_worker_fit()
-            _log.info("kmix.wrap: under MultiWorkerMirroredStrategy; enabled kmix.distribute.enable_multi_worker_fit().")
+            _log.info("kmix.wrap: under MultiWorkerMirroredStrategy; enabled kmix.distribute.enable_multi_worker_fit()")
     if isinstance(optimizer, LossScaleOptimizer):
         config = optimizer.get_config()
         conflicts = {k: v for k, v in kwargs.items() if k not in config or config[k] != v}

@@ -83,9 +83,7 @@ PROBE_ROUNDS = 7  # interleaved rounds of every configuration, at least
 SCREEN = 4  # a configuration this much slower than the fastest on the first call is not timed further
 MIN_GPU_CALL_S = 2e-3  # a GPU call shorter than this is mostly kernel launches: the rows grow until it is not
 GPU_TENSOR_BYTES = 2**28  # the rows grow at most until a float32 (rows, max(k, n)) tensor takes this much
-# XLA's three compilations of the step take about this many times the three tf.function traces and first
-# calls, rounds included (2-core AMD EPYC at load 9: 11.3 s against 1.8 s).
-XLA_COST = 8
+XLA_COST = 8  # XLA's compilations take ~6x the tf.function traces (2-core AMD EPYC, load 9: 11.3 s against 1.8)
 _MEASURED = {}  # {(shape, budget, on_gpu, tf32): Probe}: one probe per process, the fullest measured
 
 
@@ -116,9 +114,7 @@ def probe(shape=None, budget=0.25, limit_s=None):
     key = (shape, float(budget), on_gpu, tf.config.experimental.tensor_float_32_execution_enabled())
     known = _MEASURED.get(key)
     if known is None or (True not in known.compilations and limit_s is None):
-        _MEASURED[key] = _probe(*key, limit_s=limit_s)
-        if known is not None and len(known.compilations) > len(_MEASURED[key].compilations):
-            _MEASURED[key] = known
+        _MEASURED[key] = _probe(*key, limit_s=limit_s)  # without a limit: XLA's too
     return _MEASURED[key]
 
 

@@ -27,10 +27,10 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
         loss, optimizer: override the model's compiled ones (`"adam"` if none); an optimizer is a Keras
             optimizer, its name or its config dict, its settings copied for every route.
         dtypes: the dtypes to time, e.g. `("float32", "bfloat16")`, instead of the probe's choice.
-        budget_s: seconds for the whole call, probing, building and compiling included (a positive number;
-            kept within 1.25x where it covers the probe's tf.function traces: the probe takes at most 0.4x of it,
-            XLA's compilations left out where they would not fit). Where no half route was timed, the probe decides.
-        probe: a `kmix.device.Probe` to use instead of measuring one; `verbose`: progress lines on stderr.
+        budget_s: seconds for the whole call, probing, building and compiling included (a positive number; kept
+            within 1.25x: the probe takes at most 0.4x, XLA left out of it where it would not fit, docs/guide.md).
+        probe: a `kmix.device.Probe` to use instead of measuring one (where no half route was timed, the probe
+            decides); `verbose`: progress lines on stderr.
 
     Returns:
         A `Recommendation` (`policy`, `jit_compile`, `reasons`, and with a model and data the `table` of routes).

@@ -45,7 +45,8 @@ class Comparison:
         self.finite = all(np.all(np.isfinite(g) | ~np.isfinite(r)) for r, g in zip(ref, got))
         diffs = [np.abs(g - r)[np.isfinite(r) & np.isfinite(g)] for r, g in zip(ref, got)]
         self.max_abs_diff = max((float(d.max()) for d in diffs if d.size), default=0.0)
-        self.max_abs_float32 = max((float(np.abs(r[np.isfinite(r)]).max()) for r in ref if np.isfinite(r).any()), default=0.0)
+        finite = [np.abs(r[np.isfinite(r)]) for r in ref]
+        self.max_abs_float32 = max((float(f.max()) for f in finite if f.size), default=0.0)
         classes = len(ref) == 1 and ref[0].ndim >= 2 and ref[0].shape[-1] >= 2
         self.top1_agreement = float(np.mean(ref[0].argmax(-1) == got[0].argmax(-1))) if classes else None
 
