@@ -103,10 +103,12 @@ def pair(root, twin, by_path=False):
         return [(path, layer, parent, other[1]) for (path, layer, parent), other in zip(ours, theirs)]
     if not by_path:
         return [(path, layer, parent, None) for path, layer, parent in ours]
-    found = {_relative(layer.path or path, twin): layer for path, layer, _ in theirs}
-    return [(path, layer, parent, found.get(_relative(layer.path or path, root))) for path, layer, parent in ours]
+    found = {_relative(layer, path, twin): layer for path, layer, _ in theirs[1:]}
+    return [ours[0] + (twin,)] + [(path, layer, parent, found.get(_relative(layer, path, root)))
+                                  for path, layer, parent in ours[1:]]
 
 
-def _relative(path, root):
+def _relative(layer, path, root):
+    """`layer`'s path below `root`: Keras's without the root's name, else `walk`'s `path` (relative already)."""
     prefix = f"{root.name}/"
-    return path[len(prefix):] if path and path.startswith(prefix) else path
+    return layer.path[len(prefix):] if layer.path and layer.path.startswith(prefix) else (layer.path or path)
