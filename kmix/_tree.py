@@ -92,9 +92,8 @@ def snake_case(class_name):
 def pair(root, twin, by_path=False):
     """`[(path, layer, parent, its twin or None)]` for `root` and each layer inside it, `root` first.
 
-    A twin is a model built from `root`'s config: its layers pair with
-    `root`'s by position in `walk` when both have as many. Where they do
-    not, by path relative to each root with `by_path`, else none pairs.
+    A twin is a model built from `root`'s config: its layers pair with `root`'s by position in `walk` when both have
+    as many; where they do not, by path relative to each root with `by_path` (the roots pair), else none pairs.
     `root`'s row has its name as path.
     """
     ours = [(root.name, root, None)] + list(walk(root))
