@@ -6,6 +6,7 @@ from), and the user's files byte for byte against what the test wrote.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -45,7 +46,7 @@ def user_files_intact(path):
 def serves(path, model):
     """Whether the SavedModel at `path` predicts as `model` does, within bfloat16's rounding."""
     loaded = tf.saved_model.load(path)
-    got, expected = loaded.serve(X).numpy(), model.predict(X, verbose=0)
+    got, expected = loaded.serve(X).numpy(), keras.ops.convert_to_numpy(model(X, training=False))
     return np.abs(got - expected).max() <= BF16_RTOL * np.abs(expected).max()
 
 
@@ -57,14 +58,36 @@ def artifact_bytes(path):
             for n in names}
 
 
+@pytest.fixture(scope="module")
+def old(tmp_path_factory):
+    """`mlp()` and its export, written once: the artifact the tests below find at their paths, copied there."""
+    path = str(tmp_path_factory.mktemp("old") / "served")
+    model = mlp()
+    export(model, path, sample=X, verbose=False)
+    return model, path
+
+
+def place(artifact, path, user=False):
+    """`artifact`'s files copied to `path` (a new directory), the user's project files beside them if `user`."""
+    shutil.copytree(artifact, path)
+    if user:
+        user_project(path)
+
+
 def test_a_project_directory_is_refused_and_with_overwrite_its_files_stay(tmp_path):
     project = str(tmp_path / "project")
     user_project(project)
+    child = subprocess.Popen([sys.executable, "-S", "-c", "pass"])
+    child.wait()  # a process id that is no longer running
+    stale = tmp_path / f".kmix-partial-{child.pid}-project"  # a killed export's, as the run in issue 48 left them
+    os.makedirs(stale / "variables")
+    (stale / "variables" / "variables.data-00000-of-00001").write_bytes(b"\0" * 1024)
     model = mlp()
     with pytest.raises(ValueError, match=r"`filepath` names a directory that is not empty.*Received: filepath=.*"
                                          r"overwrite=False.*overwrite=True"):
         export(model, project, sample=X, verbose=False)
     assert sorted(os.listdir(project)) == ["src", "train.py"] and user_files_intact(project)
+    assert sorted(os.listdir(tmp_path)) == ["project"]  # the killed export's partial removed by the next call
 
     report = export(model, project, sample=X, verbose=False, overwrite=True)
     assert user_files_intact(project) and serves(project, model)
@@ -112,12 +135,10 @@ def test_occupied_paths_are_refused_at_the_call(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("step", ["write", "read back", "exchange", "merge"])
-def test_an_interrupted_re_export_leaves_the_old_artifact_whole(tmp_path, monkeypatch, step):
+def test_an_interrupted_re_export_leaves_the_old_artifact_whole(tmp_path, monkeypatch, old, step):
+    model, artifact = old
     path = str(tmp_path / ("project" if step == "merge" else "served"))
-    if step == "merge":
-        user_project(path)
-    old = mlp()
-    export(old, path, sample=X, verbose=False, overwrite=True)
+    place(artifact, path, user=step == "merge")
     before = artifact_bytes(path)
 
     def interrupt(*args, **kwargs):
@@ -143,18 +164,7 @@ def test_an_interrupted_re_export_leaves_the_old_artifact_whole(tmp_path, monkey
     with pytest.raises(KeyboardInterrupt):
         export(mlp(seed=1), path, sample=X, verbose=False, overwrite=True)
     monkeypatch.undo()
-    assert artifact_bytes(path) == before and serves(path, old)
+    assert artifact_bytes(path) == before and serves(path, model)
     if step == "merge":
         assert user_files_intact(path)
     assert [n for d in (tmp_path, path) for n in os.listdir(d) if n.startswith(".kmix")] == []
-
-
-def test_a_partial_artifact_of_a_killed_export_is_removed_by_the_next(tmp_path):
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()  # a process id that is no longer running
-    stale = tmp_path / f".kmix-partial-{child.pid}-served"  # as the run in the issue left them
-    os.makedirs(stale / "variables")
-    (stale / "variables" / "variables.data-00000-of-00001").write_bytes(b"\0" * 1024)
-    model = mlp()
-    export(model, str(tmp_path / "served"), sample=X, verbose=False)
-    assert sorted(os.listdir(tmp_path)) == ["served"] and serves(str(tmp_path / "served"), model)

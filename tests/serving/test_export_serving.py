@@ -46,8 +46,8 @@ for name, case in json.load(open("cases.json")).items():
     names = case["names"]  # the names Keras's model.export gives the inputs, in the model's order
     structure = {"dict": x, "list": [x[n] for n in names], "single": x[names[0]] if names else None}[case["structure"]]
     out = {}
-    for i, value in enumerate(keras.tree.flatten(keras.models.load_model(name + ".keras").predict(structure, verbose=0))):
-        out[f"keras/{i}"] = value
+    for i, value in enumerate(keras.tree.flatten(keras.models.load_model(name + ".keras")(structure, training=False))):
+        out[f"keras/{i}"] = np.asarray(value)
     served = tf.saved_model.load(name)
     signature = served.signatures["serving_default"]
     by_name = {n: tf.constant(x[n]) for n in names}
@@ -158,7 +158,7 @@ def served(tmp_path_factory):
         np.savez(here / f"{name}.npz", **x)
         cases[name] = {"names": names, "structure": structure}
         results[name] = {
-            "expected": [np.asarray(v) for v in keras.tree.flatten(model.predict(as_called[structure](x), verbose=0))],
+            "expected": [np.asarray(v) for v in keras.tree.flatten(model(as_called[structure](x), training=False))],
             "keras_signature": (signature.structured_input_signature, signature.structured_outputs),
             "report": report,
         }
@@ -259,4 +259,4 @@ def test_kmix_only_layers_refuse_the_keras_file_before_writing(tmp_path):
     assert not any(os.path.exists(p) for p in paths)
     kmix.export(model, paths[0], sample=x, verbose=False)  # the SavedModel serves it
     got = tf.saved_model.load(paths[0]).signatures["serving_default"](x=tf.constant(x[0]), bias=tf.constant(x[1]))
-    _close(got["output_0"].numpy(), model.predict(x, verbose=0))
+    _close(got["output_0"].numpy(), np.asarray(model(x, training=False)))
