@@ -77,9 +77,11 @@ class Row:
     """Everything `check` measured for one architecture and one half dtype.
 
     `*_crash` hold the first line of an error (`None` when it ran); errors are
-    relative to float32 (`None` where nothing ran); `fit_losses32`,
-    `fit_losses` and `keras_fit_losses` the two epochs' losses of float32,
-    kmix and plain Keras (for the record: plain Keras's fit is no criterion);
+    relative to float32 (`None` where nothing ran); `fit_losses32`
+    the losses before and after one SGD step run by hand on the float32 model,
+    `fit_losses` and `keras_fit_losses` the two epochs' losses of kmix and
+    plain Keras (for the record: plain Keras's fit is no criterion, and
+    `check(..., record=False)` leaves it out);
     `fit_reference` why float32's fit gives no reference (it crashes, or
     trains at random: dropout);
     `kmix_layers` is `(layers placed in half, layers)` from autocast's table

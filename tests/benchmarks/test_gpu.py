@@ -303,6 +303,10 @@ def test_without_pytest_the_tests_section_says_so_and_fails(tmp_path, monkeypatc
 # ---------------------------------------------------------------- 5. the GPU checks, small, on the CPU
 
 
+HALF_ROUTE = dict(policy="O1-bfloat16", stack="recommended", size=SMALL, steps=8, learning_rate=3e-3, device="CPU:0",
+                  jit_compile=False)  # the half route checked, as check_half_route_trains_like_float32 trains it
+
+
 @pytest.fixture(scope="module")
 def cpu_float32_losses():
     """Float32's losses over 8 steps of a tiny GPT on the CPU: the reference of the half route checked."""
@@ -310,23 +314,44 @@ def cpu_float32_losses():
                               jit_compile=False)[1]
 
 
-def test_the_gpu_checks_hold_on_the_cpu(cpu_float32_losses):
+@pytest.fixture(scope="module")
+def cpu_half_route():
+    """`on_gpu.train_route` of the half route checked, trained once: `(route, losses)`."""
+    return on_gpu.train_route(*HALF_ROUTE.values())
+
+
+def _trained(monkeypatch, result):
+    """`on_gpu.train_route` answering `result` where asked for the half route (trained once, by the fixture)."""
+    def train_route(*args, **kwargs):
+        assert dict(zip(HALF_ROUTE, args), **kwargs) == HALF_ROUTE, (args, kwargs)
+        return result
+
+    monkeypatch.setattr(on_gpu, "train_route", train_route)
+
+
+def _check_half_route(cpu_float32_losses):
+    kwargs = {k: v for k, v in HALF_ROUTE.items() if k not in ("policy", "stack")}
+    on_gpu.check_half_route_trains_like_float32(HALF_ROUTE["policy"], cpu_float32_losses, **kwargs)
+
+
+def test_the_gpu_checks_hold_on_the_cpu(cpu_float32_losses, cpu_half_route, monkeypatch):
     """tests/test_on_gpu.py's checks on the CPU: fused Adam, MirroredStrategy + XLA, a half route."""
     for jit_compile in (False, True):
         on_gpu.check_fused_adam_matches_keras(jit_compile, device="CPU:0")
     on_gpu.check_mirrored_xla_matches_one_device(device="CPU:0")
     assert on_gpu.check_tf32_error(False, True, device="CPU:0") < 1e-5  # float32 on a CPU: no TF32
-    on_gpu.check_half_route_trains_like_float32("O1-bfloat16", cpu_float32_losses, SMALL, steps=8, learning_rate=3e-3,
-                                                device="CPU:0", jit_compile=False)
+    _trained(monkeypatch, cpu_half_route)
+    _check_half_route(cpu_float32_losses)
 
 
-def test_a_half_route_that_does_not_learn_fails_the_check(monkeypatch, cpu_float32_losses):
-    """A route whose half steps change nothing (learning rate 0) fails the loss-drop check."""
-    real = on_gpu.train_route
-    monkeypatch.setattr(on_gpu, "train_route", lambda *a, **k: real(*a, **{**k, "learning_rate": 0.0}))
-    with pytest.raises(AssertionError):
-        on_gpu.check_half_route_trains_like_float32("O1-bfloat16", cpu_float32_losses, SMALL, steps=8,
-                                                    learning_rate=3e-3, device="CPU:0", jit_compile=False)
+def test_a_half_route_that_does_not_learn_fails_the_check(monkeypatch, cpu_float32_losses, cpu_half_route):
+    """A route whose half steps change nothing (its loss stays at the untrained model's) fails the loss-drop check."""
+    route, losses = cpu_half_route
+    flat = [losses[0]] * len(losses)  # what a learning rate of 0 trains: the same batch, the same weights
+    _trained(monkeypatch, (route, flat))
+    with pytest.raises(AssertionError) as failed:
+        _check_half_route(cpu_float32_losses)
+    assert "Obtained: 0.0" in str(failed.value)  # the loss-drop assertion: a drop of 0 against float32's
 
 
 # ---------------------------------------------------------------- 6. recommend's and the probe's timings
@@ -360,13 +385,15 @@ def test_the_probe_rows_grow_until_a_call_is_not_launch_bound():
 
 
 def test_the_probe_is_cached_per_tf32_setting():
+    """One probe per TF32 setting; `limit_s=0` leaves XLA out (not what is checked here: 3 compiles a probe)."""
     previous = tf.config.experimental.tensor_float_32_execution_enabled()
     shape = (64, 16, 32)
     try:
-        first = probe_module.probe(shape, budget=0.001)
-        assert probe_module.probe(shape, budget=0.001) is first and first.tf32 == previous
+        first = probe_module.probe(shape, budget=0.001, limit_s=0.0)
+        assert first.compilations == (False,) and first.tf32 == previous
+        assert probe_module.probe(shape, budget=0.001, limit_s=0.0) is first
         tf.config.experimental.enable_tensor_float_32_execution(not previous)
-        other = probe_module.probe(shape, budget=0.001)
+        other = probe_module.probe(shape, budget=0.001, limit_s=0.0)
         assert other is not first and other.tf32 == (not previous) and other.rows == first.rows
     finally:
         tf.config.experimental.enable_tensor_float_32_execution(previous)

@@ -1,13 +1,21 @@
 """`python -m kmix bench predict`: a quick end-to-end run, and the routes' models against float32."""
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import kmix
 from kmix.benchmarks import predict, routes
 
 
-def test_quick_run_prints_every_route(capsys):
+def test_quick_run_prints_every_route(capsys, monkeypatch):
+    """Every route of the quick run, against the float32 Keras outputs; the served rows' bytes and outputs.
+
+    The device probe leaves XLA out (its `limit_s`): its three XLA compiles are not what this test checks, and
+    the table keeps an XLA row of its own (float32, keras, XLA)."""
+    monkeypatch.setattr(kmix.device, "probe", functools.partial(kmix.device.probe, limit_s=0.0))
     out = predict.main(["--quick", "--models", "gpt"])
     text = capsys.readouterr().out
     rec = out["recommendation"]

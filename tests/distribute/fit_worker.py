@@ -6,7 +6,7 @@
 two logical CPUs. Both see the same global batches: a `tf.data.Dataset` of
 batches of `GLOBAL_BATCH` rows, split in halves (a worker's or a replica's).
 
-`--scenario all` trains ten models one after the other and writes
+`--scenario all` trains these models one after the other and writes
 `<out>/<strategy><index>.npz`:
 - `kmix_*`: mixed_float16, `kmix.wrap(Adam)`, `validation_data` (arrays), a
   last partial batch, an inf in worker 1's half of one batch; then `evaluate`
@@ -14,13 +14,16 @@ batches of `GLOBAL_BATCH` rows, split in halves (a worker's or a replica's).
 - `steps2_*`: the `kmix_*` fit, `evaluate` and `predict` again with
   `steps_per_execution=2` (three executions of two steps, the last one with
   the partial batch).
-- `keras_*`, `subclass_*`: the same fit with Keras's own `LossScaleOptimizer`
-  and with a user subclass of it.
-- `fit_float16_*`, `fit_bfloat16_*`: the `kmix_*` fit with `allreduce_dtype`;
-  `loop_<dtype>_*`: a custom loop over the five full batches with
-  `allreduce_dtype` float16, bfloat16 and None (float32 sums).
-- `backup_*`: `EPOCHS` epochs with `BackupAndRestore(save_freq="epoch")`.
-`--scenario backup` trains only the last one, without calling
+- `subclass_*`: the same fit with a user subclass of Keras's own
+  `LossScaleOptimizer` (it changes only the default initial scale, so it runs
+  every line of Keras's class and of kmix's wrapper of its `apply`).
+- `fit_float16_*`: the `kmix_*` fit with `allreduce_dtype="float16"`;
+  `loop_bfloat16_*`: a custom loop over the five full batches with
+  `allreduce_dtype="bfloat16"`; `loop_float32_*` (the reference process only):
+  that loop with float32 sums.
+- `backup_*` (with `--backup-root`): `EPOCHS` epochs with
+  `BackupAndRestore(save_freq="epoch")`.
+`--scenario backup` (with `--backup-root`) trains only the last one, without calling
 `enable_multi_worker_fit` (`kmix.wrap` in the strategy's scope does);
 `--die-at EPOCH:BATCH` makes worker 1 SIGKILL itself after that batch (its
 backup is the end of the epoch before).
@@ -86,6 +89,8 @@ def main():
     parser.add_argument("--backup-root")
     parser.add_argument("--die-at", default="")
     args = parser.parse_args()
+    if args.scenario == "backup" and not args.backup_root:
+        parser.error("--scenario backup needs --backup-root")
     if os.environ.get("STACKS_AFTER"):  # a hang shows where it hangs in the worker's log
         faulthandler.dump_traceback_later(float(os.environ["STACKS_AFTER"]), exit=False)
 
@@ -149,7 +154,9 @@ def main():
                 scaled = optimizer.scale_loss(loss)
             optimizer.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
 
-        step = tf.function(lambda batch: strategy.run(step_fn, args=batch))
+        # No autograph (step_fn has no tensor-dependent Python control flow): converting kmix's and
+        # Keras's code for it costs seconds of CPU once per process.
+        step = tf.function(lambda batch: strategy.run(step_fn, args=batch), autograph=False)
         # Full batches only: compute_average_loss divides by the global batch size.
         for batch in strategy.experimental_distribute_dataset(batches(x[:40], y[:40])):
             step(batch)
@@ -172,13 +179,19 @@ def main():
             if prefix == "kmix":
                 state["kmix_direct"] = keras.ops.convert_to_numpy(model(xp))
                 print(f"{args.strategy} {index}: direct call done", flush=True)
-        fit("keras", lambda opt: keras.optimizers.LossScaleOptimizer(opt, initial_scale=2.0**10))
         fit("subclass", SubclassedLSO)
-        for dtype in ("float16", "bfloat16"):  # the kmix_ fit with gradients summed in half precision
-            fit(f"fit_{dtype}", lambda opt: kmix.wrap(opt, initial_scale=2.0**10, allreduce_dtype=dtype))
-            custom_loop(f"loop_{dtype}", dtype)
-        custom_loop("loop_float32", None)
+        # allreduce_dtype: float16 (with its wire scaling) through fit, bfloat16 through a custom loop.
+        fit("fit_float16", lambda opt: kmix.wrap(opt, initial_scale=2.0**10, allreduce_dtype="float16"))
+        custom_loop("loop_bfloat16", "bfloat16")
+        if args.strategy == "mirrored":  # the float32-reduced loop: the same sums on either strategy
+            custom_loop("loop_float32", None)
+    if args.backup_root:  # the test asks for it under KMIX_FULL_TESTS=1 only
+        state.update(fit_with_backup(keras, kmix, strategy, args, index, x, y))
+    write(args.out, args.strategy, index, state)
 
+
+def fit_with_backup(keras, kmix, strategy, args, index, x, y):
+    """`backup_*`: `EPOCHS` epochs with `BackupAndRestore`; worker 1 may die (`--die-at`)."""
     die_epoch, die_batch = (int(v) for v in args.die_at.split(":")) if args.die_at else (-1, -1)
     if index != 1:  # only worker 1 dies; worker 0 then waits in a collective until killed
         die_epoch = die_batch = -1
@@ -196,20 +209,20 @@ def main():
     with strategy.scope():
         model = build_model(keras)
         model.compile(optimizer=kmix.wrap(keras.optimizers.Adam(1e-2)), loss="mse")
-    callbacks = [Die()]
-    if args.backup_root:
-        # One directory per worker (and one for the reference process): each writes its own copy.
-        backup = os.path.join(args.backup_root, f"{args.strategy}{index}")
-        callbacks.insert(0, keras.callbacks.BackupAndRestore(backup, save_freq="epoch"))
+    # One directory per worker (and one for the reference process): each writes its own copy.
+    backup = os.path.join(args.backup_root, f"{args.strategy}{index}")
+    callbacks = [keras.callbacks.BackupAndRestore(backup, save_freq="epoch"), Die()]
     model.fit(batches(x, y), epochs=EPOCHS, verbose=0, callbacks=callbacks)
     print(f"{args.strategy} {index}: enabled {kmix.distribute.multi_worker_fit_enabled()}", flush=True)
-    state.update(optimizer_state(keras, "backup", model, model.optimizer))
+    return optimizer_state(keras, "backup", model, model.optimizer)
 
-    os.makedirs(args.out, exist_ok=True)
-    np.savez(os.path.join(args.out, f"{args.strategy}{index}.npz"), **state)
-    print(f"{args.strategy} {index}: wrote results", flush=True)
-    if args.strategy == "multi_worker":
-        wait_for_peer(args.out, index)
+
+def write(out, strategy, index, state):
+    os.makedirs(out, exist_ok=True)
+    np.savez(os.path.join(out, f"{strategy}{index}.npz"), **state)
+    print(f"{strategy} {index}: wrote results", flush=True)
+    if strategy == "multi_worker":
+        wait_for_peer(out, index)
 
 
 def wait_for_peer(folder, index):

@@ -4,6 +4,13 @@ An overflow in one worker's batch must skip the step on both workers: the
 loss scale, the counters and the weights stay identical across workers, and
 equal a run in which that step was left out on every worker. `model.fit` under
 the same strategy is tested in test_multi_worker_fit.py.
+
+One pair of worker processes runs both: each calls the example's `main` (its
+command line, as a list) for the run with overflows and then for the reference
+run, which saves a TensorFlow start-up per process. A process can set up the
+cluster's strategy only once (a second `MultiWorkerMirroredStrategy` enables
+collective ops again and can abort a collective its peer is still in), so the
+second `main` gets the strategy the first one made.
 """
 
 import json
@@ -15,13 +22,37 @@ from tests.fault.processes import REPO, Worker, free_ports, report, run_all, wor
 SCRIPT = REPO / "examples" / "multi_worker.py"
 STEPS = 12
 OVERFLOWS = [(3, 1), (7, 0)]  # (step, worker): each overflow is in one worker's data only
-TIMEOUT = 180  # seconds for a pair of workers; a pair takes 15-40 s on two CPU cores
+TIMEOUT = 180  # seconds for the pair; it takes 15-40 s on two CPU cores
+# The worker program: examples/multi_worker.py's `main` once per command line given as JSON; every
+# `MultiWorkerMirroredStrategy()` after the first is the first (a subclass, so isinstance holds).
+RUN_EACH = f"""
+import json, sys
+import tensorflow as tf
+sys.path.insert(0, {str(SCRIPT.parent)!r})
+import multi_worker
+
+class FirstStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+    made = None
+
+    def __new__(cls, *args, **kwargs):
+        return cls.made or super().__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        if FirstStrategy.made is None:
+            super().__init__(*args, **kwargs)
+            FirstStrategy.made = self
+
+tf.distribute.MultiWorkerMirroredStrategy = FirstStrategy
+for argv in json.loads(sys.argv[1]):
+    multi_worker.main(argv)
+"""
 
 
-def run_pair(tmp_path, name, *args):
-    """Starts two workers with their TF_CONFIG; returns (workers, exit codes, their .npz)."""
-    out = tmp_path / name
+def run_pair(out, runs):
+    """Starts two workers with their TF_CONFIG, each running the example's `main` for every
+    `name -> args` in `runs`; returns (workers, exit codes, {name: both workers' .npz or None})."""
     out.mkdir()
+    argvs = [[str(a) for a in ("--steps", STEPS, "--save", out / name, *args)] for name, args in runs.items()]
     cluster = {"worker": [f"127.0.0.1:{p}" for p in free_ports(2)]}
     workers = []
     try:
@@ -29,14 +60,15 @@ def run_pair(tmp_path, name, *args):
             tf_config = {"cluster": cluster, "task": {"type": "worker", "index": index}}
             workers.append(
                 Worker(
-                    [SCRIPT, "--steps", STEPS, "--save", out, *args],
+                    ["-c", RUN_EACH, json.dumps(argvs)],
                     out / f"worker{index}.log",
                     worker_env(TF_CONFIG=json.dumps(tf_config)),
                 )
             )
     finally:
         codes = run_all(workers, TIMEOUT)  # also kills the first if the second failed to start
-    states = [dict(np.load(p)) if p.exists() else None for p in (out / "worker0.npz", out / "worker1.npz")]
+    paths = {name: [out / name / f"worker{i}.npz" for i in range(2)] for name in runs}
+    states = {name: [dict(np.load(p)) if p.exists() else None for p in files] for name, files in paths.items()}
     return workers, codes, states
 
 
@@ -60,19 +92,17 @@ def assert_skipped_everywhere(states):
 
 
 def test_overflow_on_one_worker_skips_the_step_on_both(tmp_path):
-    workers, codes, states = run_pair(tmp_path, "overflow", *overflow_args())
-    assert codes == [0, 0], report(workers, codes)
-    assert_skipped_everywhere(states)
-
     # The reference: the same run with those steps left out on every worker, no overflow.
     drops = [a for step, _ in OVERFLOWS for a in ("--drop", step)]
-    ref_workers, ref_codes, ref_states = run_pair(tmp_path, "reference", *drops)
-    assert ref_codes == [0, 0], report(ref_workers, ref_codes)
-    reference = ref_states[0]
+    workers, codes, states = run_pair(tmp_path / "pair", {"overflow": overflow_args(), "reference": drops})
+    assert codes == [0, 0], report(workers, codes)
+    assert_skipped_everywhere(states["overflow"])
+
+    overflow, reference = states["overflow"][0], states["reference"][0]
     assert int(reference["skipped_steps"]) == 0
-    assert int(reference["iterations"]) == int(states[0]["iterations"])
+    assert int(reference["iterations"]) == int(overflow["iterations"])
     weights = sorted(k for k in reference if k.startswith("weight_"))
     for key in weights:
         # Bitwise: the skipped run's scale ends 4x smaller, but scaling by a power of two
         # and unscaling in float32 is exact while no float16 gradient is subnormal.
-        np.testing.assert_array_equal(states[0][key], reference[key], err_msg=key)
+        np.testing.assert_array_equal(overflow[key], reference[key], err_msg=key)

@@ -61,12 +61,42 @@ def test_same_loss_and_gradients_with_dropout_and_a_keyword_mask(mode):
             np.testing.assert_array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b))
 
 
+@keras.saving.register_keras_serializable(package="kmix_tests_remat")
+class MaskedResidual(keras.layers.Layer):
+    """A small block with a keyword mask and dropout: LayerNorm(x + mask * Dropout(Dense(x))).
+
+    The `fit` tests wrap this rather than a TransformerEncoder (which the tests
+    above and below wrap): tracing a train step of it costs half as much, and
+    Remat does the same for any layer: the keyword tensor, the seed, the recompute.
+    """
+
+    def __init__(self, units, rate, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.rate = units, rate
+        self.dense = keras.layers.Dense(units, activation="relu", dtype=self.dtype_policy)
+        self.dropout = keras.layers.Dropout(rate, dtype=self.dtype_policy)
+        self.norm = keras.layers.LayerNormalization(dtype=self.dtype_policy)
+
+    def build(self, x_shape, padding_mask_shape=None):
+        self.dense.build(x_shape)
+        self.norm.build(x_shape)
+
+    def call(self, x, padding_mask=None, training=None):
+        h = self.dropout(self.dense(x), training=training)
+        if padding_mask is not None:
+            h = h * keras.ops.cast(padding_mask, h.dtype)[..., None]
+        return self.norm(x + h)
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units, "rate": self.rate}
+
+
 def small_model(remat, vocab=50, seq=8):
     keras.utils.set_random_seed(0)
     tokens = keras.Input((seq,), dtype="int32")
     mask = keras.Input((seq,), dtype="int32")  # MirroredStrategy's fit cannot split bool inputs
     x = keras.layers.Embedding(vocab, 32)(tokens)
-    block = keras_hub.layers.TransformerEncoder(32, 2, dropout=0.1)
+    block = MaskedResidual(32, 0.1)
     x = (kmix.layers.Remat(block) if remat else block)(x, padding_mask=mask)
     x = keras.layers.GlobalAveragePooling1D()(x)
     out = keras.layers.Dense(1, dtype="float32")(x)
@@ -119,7 +149,7 @@ def test_mirrored_strategy_gives_the_plain_weights():
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-def peak_bytes_of_a_train_step(remat, blocks=4, batch=8, seq=128, d_model=128):
+def peak_bytes_of_a_train_step(remat, blocks=3, batch=8, seq=128, d_model=128):
     keras.utils.set_random_seed(0)
     layers = [Block(d_model, 4) for _ in range(blocks)]
     layers = [kmix.layers.Remat(b) for b in layers] if remat else layers
@@ -145,14 +175,15 @@ def peak_bytes_of_a_train_step(remat, blocks=4, batch=8, seq=128, d_model=128):
     return peak, grads
 
 
-def test_peak_memory_of_a_four_block_train_step_is_lower():
+def test_peak_memory_of_a_three_block_train_step_is_lower():
     plain, plain_grads = peak_bytes_of_a_train_step(False)
     remat, remat_grads = peak_bytes_of_a_train_step(True)
     for a, b in zip(plain_grads, remat_grads):
         np.testing.assert_allclose(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b), rtol=1e-4, atol=1e-6)
     # A block keeps about a dozen activations of its input's size and its attention
-    # probabilities; with Remat only the inputs of the blocks and one block's worth.
-    print(f"peak of a 4-block train step: {plain / 2**20:.1f} MiB plain, {remat / 2**20:.1f} MiB with Remat")
+    # probabilities; with Remat only the inputs of the blocks and one block's worth
+    # (measured: 49 MiB plain, 22 MiB with Remat; 63 and 23 with four blocks).
+    print(f"peak of a 3-block train step: {plain / 2**20:.1f} MiB plain, {remat / 2**20:.1f} MiB with Remat")
     assert remat < 0.6 * plain, (remat, plain)
 
 

@@ -43,7 +43,8 @@ def two_replica_strategy():
 def linear_run(strategy, xs, make_optimizer, steps):
     """A custom loop on `sum(Dense(x)) / GLOBAL_BATCH`, whose gradients do not depend on the weights.
 
-    `xs[r]` is replica r's batch. Returns (model, optimizer).
+    `xs[r]` is replica r's batch. Returns (model, optimizer, [weights before the first step,
+    weights after it]).
     """
     keras.utils.set_random_seed(0)
     with strategy.scope():
@@ -60,9 +61,12 @@ def linear_run(strategy, xs, make_optimizer, steps):
         opt.apply(tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
 
     step = tf.function(lambda: strategy.run(step_fn, args=(batch,)))
-    for _ in range(steps):
+    first = [model.get_weights()]
+    for i in range(steps):
         step()
-    return model, opt
+        if i == 0:
+            first.append(model.get_weights())
+    return model, opt, first
 
 
 def local_gradients(xs, units=2):
@@ -80,55 +84,56 @@ def assert_same_on_both_replicas(variables):
         np.testing.assert_array_equal(a, b, err_msg=getattr(v, "path", v.name))
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_two_replicas_match_the_float32_reduction_within_the_half_rounding(dtype):
+def test_two_replicas_match_the_float32_reduction_within_the_half_rounding():
+    """float16 and bfloat16 sums against the float32 sums (one run shared), and the first step against numpy."""
     strategy, steps, lr = two_replica_strategy(), 5, 0.5
     rng = np.random.default_rng(0)
     xs = [(rng.normal(size=(2, 3)) * 1e-3).astype("float32") for _ in range(2)]
     runs = {}
-    def make(name, lr=lr):
+
+    def make(name):
         return kmix.wrap(keras.optimizers.SGD(lr), allreduce_dtype=name, dynamic=True)  # scale 2^15
 
-    for name in (None, dtype):
-        model, opt = linear_run(strategy, xs, lambda: make(name), steps)
+    for name in (None, "float16", "bfloat16"):
+        model, opt, first = linear_run(strategy, xs, lambda: make(name), steps)
         assert_same_on_both_replicas(model.trainable_variables)
         assert int(opt.iterations.numpy()) == steps and int(opt.skipped_steps.numpy()) == 0
-        runs[name] = (model.get_weights(), float(opt.loss_scale))
-    (w32, scale32), (whalf, scale) = runs[None], runs[dtype]
-    assert scale32 == scale == 2.0**15
-    # The bound. Each replica's scaled gradient S*g (times float16's wire scale W, a power of
-    # two) is rounded once to the half dtype (relative error <= u, u = 2^-11 for float16, 2^-8
-    # for bfloat16; the values are far above the smallest normal) and the sum once more
-    # (<= u * |sum|): the reduced gradient is off by at most 2u(|a| + |b|) after the exact
-    # division by S * W. The gradients do not depend
-    # on the weights, so these errors do not compound: after N SGD steps the weights differ by
-    # at most N * lr * 2u(|a| + |b|), plus float32's own rounding of the N updates in each run.
-    u = 2.0**-11 if dtype == "float16" else 2.0**-8
-    magnitude = [np.abs(ga) + np.abs(gb) for ga, gb in zip(*local_gradients(xs))]
-    for a, b, m in zip(w32, whalf, magnitude):
-        bound = steps * lr * 2 * u * m * (1 + 1e-3) + 2 * steps * 2.0**-24 * np.abs(a).max()
-        assert np.all(np.abs(b - a) <= bound), (np.abs(b - a).max(), bound.min())
-    # The half path ran (different rounding), and the inner optimizer did not sum the sums again
-    # (that would double every update, far outside the bound).
-    assert any(not np.array_equal(a, b) for a, b in zip(w32, whalf))
-    # One step, exactly: numpy's rounding of S*W*a and S*W*b and of their sum in the half dtype,
-    # W = 2^(14 - floor(log2(max|S*a| + max|S*b|))) per variable for float16, 1 for bfloat16.
-    half = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
-    model, opt = linear_run(strategy, xs, lambda: make(dtype), 1)
-    w0 = linear_run(strategy, xs, lambda: make(None, lr=0.0), 1)[0].get_weights()
-    for w, start, (ga, gb) in zip(model.get_weights(), w0, zip(*local_gradients(xs))):
-        s = np.float32(scale)
-        bound = np.abs(ga * s).max() + np.abs(gb * s).max()
-        wire = np.float32(2.0 ** (14 - np.floor(np.log2(bound)))) if dtype == "float16" else np.float32(1)
-        reduced = (half(half(ga * s * wire) + half(gb * s * wire))).astype(np.float32) / (s * wire)
-        np.testing.assert_array_equal(w, start - np.float32(lr) * reduced)
+        runs[name] = (model.get_weights(), float(opt.loss_scale), first)
+    w32, scale32, _ = runs[None]
+    for dtype in ("float16", "bfloat16"):
+        whalf, scale, (w0, w1) = runs[dtype]
+        assert scale32 == scale == 2.0**15
+        # The bound. Each replica's scaled gradient S*g (times float16's wire scale W, a power of
+        # two) is rounded once to the half dtype (relative error <= u, u = 2^-11 for float16, 2^-8
+        # for bfloat16; the values are far above the smallest normal) and the sum once more
+        # (<= u * |sum|): the reduced gradient is off by at most 2u(|a| + |b|) after the exact
+        # division by S * W. The gradients do not depend
+        # on the weights, so these errors do not compound: after N SGD steps the weights differ by
+        # at most N * lr * 2u(|a| + |b|), plus float32's own rounding of the N updates in each run.
+        u = 2.0**-11 if dtype == "float16" else 2.0**-8
+        magnitude = [np.abs(ga) + np.abs(gb) for ga, gb in zip(*local_gradients(xs))]
+        for a, b, m in zip(w32, whalf, magnitude):
+            bound = steps * lr * 2 * u * m * (1 + 1e-3) + 2 * steps * 2.0**-24 * np.abs(a).max()
+            assert np.all(np.abs(b - a) <= bound), (dtype, np.abs(b - a).max(), bound.min())
+        # The half path ran (different rounding), and the inner optimizer did not sum the sums again
+        # (that would double every update, far outside the bound).
+        assert any(not np.array_equal(a, b) for a, b in zip(w32, whalf)), dtype
+        # The first step, exactly: numpy's rounding of S*W*a and S*W*b and of their sum in the half dtype,
+        # W = 2^(14 - floor(log2(max|S*a| + max|S*b|))) per variable for float16, 1 for bfloat16.
+        half = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+        for w, start, (ga, gb) in zip(w1, w0, zip(*local_gradients(xs))):
+            s = np.float32(scale)
+            bound = np.abs(ga * s).max() + np.abs(gb * s).max()
+            wire = np.float32(2.0 ** (14 - np.floor(np.log2(bound)))) if dtype == "float16" else np.float32(1)
+            reduced = (half(half(ga * s * wire) + half(gb * s * wire))).astype(np.float32) / (s * wire)
+            np.testing.assert_array_equal(w, start - np.float32(lr) * reduced, err_msg=dtype)
 
 
 def test_an_inf_on_one_replica_skips_on_both():
     strategy = two_replica_strategy()
     xs = [np.ones((2, 1), np.float32), np.array([[1.0], [np.inf]], np.float32)]
     for dtype in (None, "float16"):
-        model, opt = linear_run(
+        model, opt, _ = linear_run(
             strategy, xs,
             lambda: kmix.wrap(keras.optimizers.Adam(0.1), allreduce_dtype=dtype, dynamic=True, initial_scale=1.0,
                               min_scale=0.25),
@@ -152,7 +157,7 @@ def test_gradients_and_sums_above_65504_take_the_step_the_float32_reduce_takes()
     xs = [np.full((2, 1), 80000.0, np.float32)] * 2
     weights = {}
     for dtype in (None, "float16"):
-        model, opt = linear_run(
+        model, opt, _ = linear_run(
             strategy, xs, lambda: kmix.wrap(keras.optimizers.SGD(1e-6), allreduce_dtype=dtype, dynamic=True), steps=1
         )
         assert int(opt.iterations.numpy()) == 1 and int(opt.skipped_steps.numpy()) == 0

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras
 import kmix
@@ -88,6 +89,8 @@ def test_same_weights_as_keras_loss_scale_optimizer(jit):
         np.testing.assert_array_equal(a, b)
 
 
+# Every optimizer, trained side by side in one `fit` (`Towers`): kmix hands each inner optimizer
+# the unscaled gradients inside one `tf.cond`, whatever it does with them.
 OPTIMIZERS = {
     "SGD": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
     "Adam": lambda: keras.optimizers.Adam(1e-2),
@@ -103,39 +106,94 @@ OPTIMIZERS = {
     "Lamb": lambda: keras.optimizers.Lamb(1e-2),
     "clipnorm": lambda: keras.optimizers.Adam(1e-2, clipnorm=0.1),
     "global_clipnorm": lambda: keras.optimizers.SGD(0.05, global_clipnorm=0.1),
-    "ema": lambda: keras.optimizers.Adam(1e-2, use_ema=True, ema_overwrite_frequency=3),
     "schedule": lambda: keras.optimizers.SGD(
         keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=2, decay_rate=0.5)
     ),
 }
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
-def test_every_optimizer_matches_unwrapped(name):
-    """A float32 model: scaling by 2^15 and back is exact, so kmix == the bare optimizer.
+def ema_adam():
+    """EMA's final overwrite (`finalize_variable_values`) is done for the model's own optimizer only:
+    tested in its own compiled model, through Keras's train_step."""
+    return keras.optimizers.Adam(1e-2, use_ema=True, ema_overwrite_frequency=3)
 
-    Clipping therefore sees unscaled gradients (a scaled norm would clip
-    differently), and a skipped batch is left out as if it were not there.
-    """
+
+def wrap_like_float32(opt):
+    # Keras's own update (the fused Adam kernel rounds differently: tests/optimizers/test_updates_fused_adam.py).
+    return kmix.wrap(opt, dynamic=True, initial_scale=2.0**15, growth_interval=2, fused_update=False)
+
+
+def fit_without_the_bad_batch(model, x, y, wrapped, opts):
+    """Fits with 2 steps per execution; the bare reference skips the bad batch (rows 8-15) by hand."""
+    if wrapped:
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        for opt in opts:
+            assert int(opt.skipped_steps) == 1
+    else:
+        keep = np.ones(len(x), bool)
+        keep[8:16] = False
+        model.fit(x[keep], y[keep], batch_size=8, epochs=1, shuffle=False, verbose=0)
+
+
+def test_ema_matches_unwrapped():
+    """A float32 model: scaling by 2^15 and back is exact, so kmix == the bare optimizer, a skipped batch left out."""
     x, y = make_data(bad_rows=[13])
     runs = {}
     for wrapped in (False, True):
         model = make_model()
-        opt = OPTIMIZERS[name]()
-        if wrapped:
-            # Keras's own update (the fused Adam kernel rounds differently: tests/optimizers/test_updates_fused_adam.py).
-            opt = kmix.wrap(opt, dynamic=True, initial_scale=2.0**15, growth_interval=2, fused_update=False)
+        opt = wrap_like_float32(ema_adam()) if wrapped else ema_adam()
         model.compile(optimizer=opt, loss="mse", steps_per_execution=2)
-        if wrapped:
-            model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-            assert int(opt.skipped_steps) == 1
-        else:  # the reference skips the bad batch by hand
-            keep = np.ones(len(x), bool)
-            keep[8:16] = False
-            model.fit(x[keep], y[keep], batch_size=8, epochs=1, shuffle=False, verbose=0)
+        fit_without_the_bad_batch(model, x, y, wrapped, [opt])
         runs[wrapped] = model.get_weights()
     for a, b in zip(runs[False], runs[True]):
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+
+
+class Towers(keras.Model):
+    """`make_model()` once per optimizer, side by side: each train step steps each with its own optimizer.
+
+    What Keras's train_step does for one (scale_loss, gradient, apply), done per tower.
+    """
+
+    def __init__(self, optimizers, **kwargs):
+        super().__init__(**kwargs)
+        self.towers = [make_model() for _ in optimizers]  # the same seed: the same start each
+        self.tower_optimizers = optimizers
+        for tower, opt in zip(self.towers, optimizers):
+            opt.build(tower.trainable_variables)  # before the traced step: no variables made in its loop
+
+    def call(self, x):
+        return [tower(x) for tower in self.towers]
+
+    def train_step(self, data):
+        x, y = data
+        for tower, opt in zip(self.towers, self.tower_optimizers):
+            with tf.GradientTape() as tape:
+                loss = opt.scale_loss(keras.ops.mean(keras.ops.square(tower(x, training=True) - y)))
+            opt.apply(tape.gradient(loss, tower.trainable_variables), tower.trainable_variables)
+        return {"loss": loss}  # the last tower's (Keras's loop needs an output)
+
+
+def test_every_optimizer_matches_unwrapped():
+    """A float32 model: scaling by 2^15 and back is exact, so kmix == the bare optimizer, for each.
+
+    Clipping therefore sees unscaled gradients (a scaled norm would clip
+    differently), and a skipped batch is left out as if it were not there
+    (a schedule's step, every optimizer's slots and counters).
+    """
+    x, y = make_data(bad_rows=[13])
+    runs = {}
+    for wrapped in (False, True):
+        opts = [wrap_like_float32(make()) if wrapped else make() for make in OPTIMIZERS.values()]
+        model = Towers(opts)
+        model.compile(steps_per_execution=2)
+        fit_without_the_bad_batch(model, x, y, wrapped, opts)
+        runs[wrapped] = [tower.get_weights() for tower in model.towers]
+    start = make_model().get_weights()
+    for name, bare, kmixed in zip(OPTIMIZERS, runs[False], runs[True]):
+        assert not np.array_equal(kmixed[0], start[0]), name  # this tower was stepped
+        for a, b in zip(bare, kmixed):
+            np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7, err_msg=name)
 
 
 def test_counters_survive_save_and_load(tmp_path):

@@ -4,6 +4,9 @@ The reference is the saved model's values cast with numpy (ml_dtypes for
 bfloat16) to the dtype each variable has at the level that reads them.
 """
 
+import shutil
+import warnings
+
 import h5py
 import keras
 import ml_dtypes
@@ -39,7 +42,7 @@ X = RNG.normal(size=(32, 6)).astype(np.float32)
 Y = RNG.normal(size=(32, 1)).astype(np.float32)
 
 
-def make(level, seed=0, trained=True, build=True):
+def make(level, seed=0, trained=True, build=True, eagerly=False):
     """Dense + BatchNormalization + Dense at `level`, compiled with kmix.wrap(Adam); trained one epoch, or built."""
     policy, master_weights = LEVELS[level]
     keras.utils.set_random_seed(seed)
@@ -49,7 +52,7 @@ def make(level, seed=0, trained=True, build=True):
         model = kmix.autocast(model, policy)
     with kmix.policy_scope(policy or "float32"):
         model.compile(optimizer=kmix.wrap(keras.optimizers.Adam(1e-2), master_weights=master_weights,
-                                          growth_interval=2), loss="mse")
+                                          growth_interval=2), loss="mse", run_eagerly=eagerly)
     if trained:
         model.fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     elif build:
@@ -74,6 +77,42 @@ def scale_state(optimizer):
 def state(model):
     """Every model and optimizer variable's value."""
     return values(list(model.weights) + list(model.optimizer.variables))
+
+
+class Saved:
+    """A model trained one epoch at a level, saved once both ways, and the values it held (numpy)."""
+
+    def __init__(self, level, folder):
+        # Trained eagerly: what is read back is the values, and no step is traced (3 s a level). A step
+        # skipped eagerly keeps its batch statistics, which kmix warns of: any values do here.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "LossScaleOptimizer .* skipped a step run eagerly")
+            model = make(level, eagerly=True)
+        opt = model.optimizer
+        self.weights_file = folder / "model.weights.h5"
+        model.save_weights(self.weights_file)
+        self.checkpoint = tf.train.Checkpoint(model=model, optimizer=opt).write(str(folder / "ckpt"))
+        aux = {id(v) for v in aux_variables(opt)}
+        self.weights = values(model.weights)
+        self.weight_dtypes = [v.dtype for v in model.weights]
+        self.inner = values(opt.inner_optimizer.variables)
+        self.own = values([v for v in opt._variables if id(v) not in aux])  # scale, counters
+        self.masters = values(opt._weights.copies.values())
+        self.state = state(model)
+        self.layout = opt._saved.layout.describe()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """`saved(level)`: each level's source model trained and saved once for the whole module (read-only)."""
+    cache = {}
+
+    def get(level):
+        if level not in cache:
+            cache[level] = Saved(level, tmp_path_factory.mktemp(level))
+        return cache[level]
+
+    return get
 
 
 def assert_bitwise(got, expected):
@@ -102,17 +141,10 @@ CONVERTED = [("float32", "O2"), ("O1", "O2"), ("O2", "float32"), ("O2", "O1"), (
 
 
 @pytest.mark.parametrize("saved_at,read_at", CONVERTED, ids=[f"{a}-to-{b}" for a, b in CONVERTED])
-def test_weights_file_converts_every_value(saved_at, read_at, tmp_path):
-    source = make(saved_at)
-    path = tmp_path / "model.weights.h5"
-    source.save_weights(path)
-    src_opt = source.optimizer
-    weights = values(source.weights)
-    inner = values(src_opt.inner_optimizer.variables)
-    src_aux = {id(v) for v in aux_variables(src_opt)}
-    own = values([v for v in src_opt._variables if id(v) not in src_aux])
-    saved_masters = values(src_opt._weights.copies.values())
-
+def test_weights_file_converts_every_value(saved_at, read_at, saved):
+    source = saved(saved_at)
+    path, weights, inner, own, saved_masters = (source.weights_file, source.weights, source.inner, source.own,
+                                                source.masters)
     target = make(read_at, seed=1, trained=False)
     opt = target.optimizer
     aux = {id(v) for v in aux_variables(opt)}
@@ -138,10 +170,9 @@ def test_weights_file_converts_every_value(saved_at, read_at, tmp_path):
 
 
 @pytest.mark.parametrize("saved_at,read_at", [("O2", "O2-kahan"), ("O2-kahan", "O2")])
-def test_weights_file_refuses_master_copies_for_kahan_remainders(saved_at, read_at, tmp_path):
-    source = make(saved_at)
-    path = tmp_path / "model.weights.h5"
-    source.save_weights(path)
+def test_weights_file_refuses_master_copies_for_kahan_remainders(saved_at, read_at, saved):
+    source = saved(saved_at)
+    path = source.weights_file
     target = make(read_at, seed=1, trained=False)
     before = values(target.optimizer.variables)
     with pytest.raises(ValueError) as raised:
@@ -153,22 +184,22 @@ def test_weights_file_refuses_master_copies_for_kahan_remainders(saved_at, read_
     # The documented way out: the weights alone (the same dtypes here: bit for bit), with a warning.
     with pytest.warns(UserWarning):
         target.load_weights(path, skip_mismatch=True)
-    assert_bitwise(values(target.weights), values(source.weights))
+    assert_bitwise(values(target.weights), source.weights)
     assert_bitwise(values(target.optimizer.variables), before)
 
 
-def test_weights_file_without_a_layout_loads_only_where_every_value_fits(tmp_path):
+def test_weights_file_without_a_layout_loads_only_where_every_value_fits(saved, tmp_path):
     """Files from before kmix recorded layouts: same level by position as Keras; another level refused."""
-    source = make("O2")
+    source = saved("O2")
     path = tmp_path / "old.weights.h5"
-    source.save_weights(path)
+    shutil.copyfile(source.weights_file, path)
     with h5py.File(path, "a") as f:
         groups = [name for name in _all_groups(f) if RECORD_NAME in f[name]]
         assert len(groups) == 1
         del f[groups[0]][RECORD_NAME]
     same = make("O2", seed=1, trained=False)
     same.load_weights(path)
-    assert_bitwise(state(same), state(source))
+    assert_bitwise(state(same), source.state)
     kahan = make("O2-kahan", seed=1, trained=False)
     before = values(kahan.optimizer.variables)
     with pytest.raises(ValueError, match="does not record the opt level"):
@@ -188,9 +219,9 @@ REFUSED = [("float32", "O2"), ("O1", "O2"), ("O2", "O1"), ("O2", "float32"), ("O
 
 
 @pytest.mark.parametrize("saved_at,read_at", REFUSED, ids=[f"{a}-to-{b}" for a, b in REFUSED])
-def test_checkpoint_at_another_layout_raises_before_restoring(saved_at, read_at, tmp_path):
-    source = make(saved_at)
-    path = tf.train.Checkpoint(model=source, optimizer=source.optimizer).write(str(tmp_path / "ckpt"))
+def test_checkpoint_at_another_layout_raises_before_restoring(saved_at, read_at, saved):
+    source = saved(saved_at)
+    path = source.checkpoint
     target = make(read_at, seed=1, trained=False)
     before = state(target)
     with pytest.raises(ValueError) as raised:
@@ -200,11 +231,11 @@ def test_checkpoint_at_another_layout_raises_before_restoring(saved_at, read_at,
     owner = "model" if "this model is at" in message else "optimizer"
     assert f"at {NAMES[saved_at]} (" in message and f"this {owner} is at {NAMES[read_at]} (" in message
     if owner == "optimizer":
-        assert f"written at {source.optimizer._saved.layout.describe()}" in message
+        assert f"written at {source.layout}" in message
         assert f"optimizer is at {target.optimizer._saved.layout.describe()}" in message
     else:
         assert LEVELS[read_at][0] is not None  # only a model autocast placed carries the model's record
-        assert [v.dtype for v in source.weights] != [v.dtype for v in target.weights]
+        assert source.weight_dtypes != [v.dtype for v in target.weights]
     assert "Nothing was restored" in message
     assert_bitwise(state(target), before)  # not one value read: no partial restore by position
 
@@ -213,10 +244,9 @@ UNBUILT = [("O1", "O2"), ("O2", "O1"), ("O1-bfloat16", "O2-bfloat16"), ("O2", "O
 
 
 @pytest.mark.parametrize("saved_at,read_at", UNBUILT, ids=[f"{a}-to-{b}" for a, b in UNBUILT])
-def test_checkpoint_of_other_weight_dtypes_raises_before_the_optimizer_is_built(saved_at, read_at, tmp_path):
+def test_checkpoint_of_other_weight_dtypes_raises_before_the_optimizer_is_built(saved_at, read_at, saved):
     """The model's own record names both levels: the optimizer's waits for build, TensorFlow's error names none."""
-    source = make(saved_at)
-    path = tf.train.Checkpoint(model=source, optimizer=source.optimizer).write(str(tmp_path / "ckpt"))
+    path = saved(saved_at).checkpoint
     target = make(read_at, seed=1, trained=False, build=False)
     before = values(target.weights)
     with pytest.raises(ValueError, match="Nothing was restored") as raised:
@@ -239,23 +269,21 @@ def test_checkpoint_from_before_the_record_restores_as_before(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("saved_at,read_at", [("float32", "O1-bfloat16"), ("O1-bfloat16", "float32")])
-def test_checkpoint_at_the_same_layout_restores_every_value(saved_at, read_at, tmp_path):
+def test_checkpoint_at_the_same_layout_restores_every_value(saved_at, read_at, saved):
     """float32 and O1-bfloat16 hold the same (float32 weights, no copies, no loss scale): restored bit for bit."""
-    source = make(saved_at)
-    path = tf.train.Checkpoint(model=source, optimizer=source.optimizer).write(str(tmp_path / "ckpt"))
+    source = saved(saved_at)
     target = make(read_at, seed=1, trained=False)
-    tf.train.Checkpoint(model=target, optimizer=target.optimizer).read(path).assert_consumed()
-    assert_bitwise(state(target), state(source))
+    tf.train.Checkpoint(model=target, optimizer=target.optimizer).read(source.checkpoint).assert_consumed()
+    assert_bitwise(state(target), source.state)
 
 
-def test_checkpoint_read_before_the_optimizer_is_built_is_checked_when_it_is(tmp_path):
+def test_checkpoint_read_before_the_optimizer_is_built_is_checked_when_it_is(saved):
     """The read restores the (same-dtype) weights; the optimizer's state waits for build, which refuses it."""
-    source = make("O2")
-    path = tf.train.Checkpoint(model=source, optimizer=source.optimizer).write(str(tmp_path / "ckpt"))
+    source = saved("O2")
     target = make("O2-kahan", seed=1, trained=False, build=False)
     assert not target.optimizer.built  # its state is restored when build creates it
-    tf.train.Checkpoint(model=target, optimizer=target.optimizer).read(path)
-    assert_bitwise(values(target.weights), values(source.weights))
+    tf.train.Checkpoint(model=target, optimizer=target.optimizer).read(source.checkpoint)
+    assert_bitwise(values(target.weights), source.weights)
     with pytest.raises(ValueError, match="none of the optimizer's state was") as raised:
         target.optimizer.build(target.trainable_variables)
     assert "float32 master copies" in str(raised.value) and "Kahan remainders" in str(raised.value)

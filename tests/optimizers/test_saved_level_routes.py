@@ -7,8 +7,6 @@ training goes on exactly as the run that was never interrupted (the
 reference). `model.export` serves what the model computes.
 """
 
-import os
-
 import keras
 import numpy as np
 import pytest
@@ -60,9 +58,9 @@ def assert_same(got, expected):
         assert a.tobytes() == b.tobytes(), (path, a, b)
 
 
-def trained(config):
+def trained(config, **kwargs):
     model = make(config)
-    train(model, epochs=2)
+    train(model, epochs=2, **kwargs)
     opt = model.optimizer
     # There is something to lose: low bits in the copies or buffers, a scale that moved.
     assert opt.master_weights == {"O1-float16": False, "O2-float16": True, "O2-bfloat16": True,
@@ -72,17 +70,16 @@ def trained(config):
     return model
 
 
-def resumed_like_the_reference(reference, *restored):
-    """One more epoch on each: the same bits as the run that was never saved."""
-    train(reference)
-    for model in restored:
-        train(model)
-        assert_same(state(model), state(reference))
-
-
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_checkpoint_keras_file_weights_h5_and_export(config, tmp_path):
-    model = trained(config)
+def test_every_save_route_restores_the_state_and_training_goes_on_as_never_saved(config, tmp_path):
+    """Saved after 2 epochs by every route, read back bit for bit; a third epoch equals the reference's.
+
+    A step is traced once per model, so the models are reused: `.weights.h5` is
+    read into the model the checkpoint was read into, and `BackupAndRestore`
+    resumes the reference model itself (each restore overwrites an epoch's changes).
+    """
+    backup = str(tmp_path / "backup")
+    model = trained(config, callbacks=[keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
     saved = state(model)
     path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(str(tmp_path / "ckpt"))
     model.save(tmp_path / "model.keras")
@@ -93,23 +90,41 @@ def test_checkpoint_keras_file_weights_h5_and_export(config, tmp_path):
     built.optimizer.build(built.trainable_variables)
     tf.train.Checkpoint(model=built, optimizer=built.optimizer).read(path).assert_consumed()
     assert_same(state(built), saved)
-    # ...and into a fresh one, before its optimizer exists (restored as `fit` creates it).
+    # ...and into a fresh one, before its optimizer exists: restored when it is built, as `fit` builds it.
     fresh = make(config)
     tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).read(path)
+    fresh.optimizer.build(fresh.trainable_variables)
+    assert_same(state(fresh), saved)
     # .keras, without kmix's help beyond its registered classes.
     loaded = keras.models.load_model(tmp_path / "model.keras")
     assert_same(state(loaded), saved)
-    # .weights.h5 into the same model, compiled and built.
-    weights = make(config)
-    weights.optimizer.build(weights.trainable_variables)
-    weights.load_weights(tmp_path / "model.weights.h5")
-    assert_same(state(weights), saved)
     # model.export: the SavedModel serves what the model computes, within the half dtype's rounding.
     served = tf.saved_model.load(str(tmp_path / "served"))
     got = np.asarray(served.serve(tf.constant(X)), np.float32)
     expected = keras.ops.convert_to_numpy(model(X)).astype(np.float32)
     np.testing.assert_allclose(got, expected, rtol=0, atol=SERVED_SPACINGS * spacing(expected, CONFIGS[config][1]))
-    resumed_like_the_reference(model, built, fresh, loaded, weights)
+    # One more epoch on each: the same bits as the run that was never saved (the reference).
+    train(model)
+    reference = state(model)
+    for restored in (built, loaded):
+        train(restored)
+        assert_same(state(restored), reference)
+    # .weights.h5 into a compiled model with its optimizer built (what BackupAndRestore does too).
+    built.load_weights(tmp_path / "model.weights.h5")
+    assert_same(state(built), saved)
+    train(built)
+    assert_same(state(built), reference)
+    # BackupAndRestore: the program run again calls fit again, which resumes after epoch 2.
+    seen = {}
+
+    class Peek(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if not seen:
+                seen["state"] = state(self.model)
+
+    train(model, epochs=3, callbacks=[keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False), Peek()])
+    assert_same(seen["state"], saved)  # what the third epoch started from
+    assert_same(state(model), reference)
 
 
 # The served graph is not eager mode's: TensorFlow's graph optimizer fuses MatMul + BiasAdd + Relu
@@ -129,24 +144,3 @@ def spacing(values, half):
     """The spacing of `half` at the largest magnitude in `values` (a power of two)."""
     largest = float(np.abs(values).max())
     return HALF_EPS[half] * 2.0 ** np.floor(np.log2(largest)) if largest > 0 else HALF_EPS[half]
-
-
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_backup_and_restore(config, tmp_path):
-    backup = str(tmp_path / "backup")
-    model = make(config)
-    train(model, epochs=2, callbacks=[keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False)])
-    saved = state(model)
-    # A new process would build the same model and call fit again: it resumes after epoch 2.
-    resumed = make(config)
-    seen = {}
-
-    class Peek(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            if not seen:
-                seen["state"] = state(self.model)
-
-    train(resumed, epochs=3, callbacks=[keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False), Peek()])
-    assert_same(seen["state"], saved)  # what the third epoch started from
-    train(model)  # the uninterrupted run's third epoch
-    assert_same(state(resumed), state(model))

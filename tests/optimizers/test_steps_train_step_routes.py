@@ -7,6 +7,7 @@ the comparison allows half-precision error. Before kmix checked the route, the
 unscaled gradients of these steps were divided by 2^15 and nothing moved.
 """
 
+import functools
 import warnings
 
 import keras
@@ -149,10 +150,17 @@ def sgd():
     return keras.optimizers.SGD(0.1)
 
 
+@functools.cache
+def float32_reference(cls):
+    """`cls`'s weights trained under float32 with bare SGD, once per module: `scale` and `use_apply` do not
+    change them (a bare Keras optimizer's `scale_loss` returns the loss as it is)."""
+    return train(lambda: cls(True), "float32")[0]
+
+
 @pytest.mark.parametrize("use_apply", [False, True], ids=["apply_gradients", "apply"])
 @pytest.mark.parametrize("scale", [True, False], ids=["scale_loss", "keras_io"])
 def test_one_optimizer_train_step(scale, use_apply):
-    reference, _, _ = train(lambda: OneOptimizer(scale, use_apply), "float32")
+    reference = float32_reference(OneOptimizer)
     got, messages, (opt,) = train(lambda: OneOptimizer(scale, use_apply), "mixed_float16")
     assert opt.dynamic and float(opt.loss_scale) == SCALE  # float16: the scale is real
     for a, b in zip(reference, got):
@@ -167,7 +175,7 @@ def test_one_optimizer_train_step(scale, use_apply):
 
 @pytest.mark.parametrize("scale", [True, False], ids=["scale_loss", "keras_io"])
 def test_vae_like_add_loss_train_step(scale):
-    reference, _, _ = train(lambda: VAELike(scale), "float32")
+    reference = float32_reference(VAELike)
     got, messages, _ = train(lambda: VAELike(scale), "mixed_float16")
     for a, b in zip(reference, got):
         np.testing.assert_allclose(b, a, rtol=2e-2, atol=2e-2)

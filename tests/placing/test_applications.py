@@ -77,15 +77,19 @@ def _preprocess_input(builder):
 
 
 def build(name):
-    """The float32 model with healthy batch-norm statistics, and an input batch of 2 images."""
+    """The float32 model with healthy batch-norm statistics, an input batch of 2 images, and its logits.
+
+    The logits are those of the calibrating pass (`unit_scale_batch_norms`): each
+    batch norm there runs as in inference, on the statistics it has just set.
+    """
     builder = getattr(keras.applications, name)
     side = SMALLEST_INPUT.get(name, 32)
     keras.utils.set_random_seed(0)  # the same weights on every run
     model = builder(weights=None, input_shape=(side, side, 3), classes=5, classifier_activation=None)
     images = np.random.default_rng(0).uniform(0.0, 255.0, (2, side, side, 3)).astype("float32")
     x = np.asarray(_preprocess_input(builder)(images.copy()), "float32")
-    unit_scale_batch_norms(model, x)
-    return model, x
+    logits = unit_scale_batch_norms(model, x)
+    return model, x, logits
 
 
 def unit_scale_batch_norms(model, x):
@@ -100,6 +104,9 @@ def unit_scale_batch_norms(model, x):
     a per-channel variance of 2 images would divide near-constant channels by
     ~0 and amplify rounding without bound. `gamma` is left alone, so training
     (which normalizes by the batch's own statistics) is unchanged.
+
+    Returns:
+        The model's outputs on `x` in that pass: those of inference on the new statistics.
     """
     call = keras.layers.BatchNormalization.call
 
@@ -112,7 +119,7 @@ def unit_scale_batch_norms(model, x):
 
     keras.layers.BatchNormalization.call = calibrating_call
     try:
-        model(x, training=False)
+        return model(x, training=False)
     finally:
         keras.layers.BatchNormalization.call = call
 
@@ -149,8 +156,8 @@ def test_the_matrix_holds_every_builder():
 @pytest.mark.parametrize("name, level", _matrix())
 def test_autocast_application(name, level):
     """Placed in place, it predicts like the float32 model and is the same after a reload."""
-    model, x = build(name)
-    expected = _numpy(model(x, training=False))
+    model, x, logits = build(name)
+    expected = _numpy(logits)
     assert np.isfinite(expected).all() and np.abs(expected).max() > 1e-3  # a signal half can carry
 
     new = kmix.autocast(model, level)
@@ -202,7 +209,7 @@ def test_autocast_application_trains(name, level):
     an AVX2-only EPYC): the test compares the placed model's loss with the
     float32 model's instead, and checks what each step did.
     """
-    model, x = build(name)
+    model, x, _ = build(name)
     y = np.array([1, 3])
     if name == "EfficientNetB0":
         assert any(isinstance(layer, keras.layers.Normalization) for layer in model.layers)

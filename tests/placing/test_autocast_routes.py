@@ -35,6 +35,7 @@ def _transfer_model():
 
 
 def test_transfer_learning_guide_unchanged():
+    """Freeze, train, unfreeze, recompile, fine-tune: as the float32 model (plain Keras, run eagerly) does."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 8)).astype("float32")
     y = x[:, :1] * 2.0
@@ -44,15 +45,21 @@ def test_transfer_learning_guide_unchanged():
 
     model = kmix.autocast(model, "O1")  # the user's `base_model` handle is a layer of this model
     assert model.get_layer("base_model") is base_model
+
+    def compile_for(m, rate):
+        if m is reference:
+            m.compile(optimizer=keras.optimizers.Adam(rate), loss="mse", run_eagerly=True)
+            return
+        with kmix.policy_scope("O1"):
+            m.compile(optimizer=kmix.wrap(keras.optimizers.Adam(rate)), loss="mse")
+
     for m, base in ((model, base_model), (reference, reference_base)):
-        with kmix.policy_scope("O1" if m is model else "float32"):
-            m.compile(optimizer=kmix.wrap(keras.optimizers.Adam(1e-3)), loss="mse")
+        compile_for(m, 1e-3)
         frozen = [_numpy(v) for v in base.weights]
         m.fit(x, y, batch_size=32, epochs=1, verbose=0)
         assert all(np.array_equal(_numpy(v), w) for v, w in zip(base.weights, frozen))  # frozen: unchanged
         base.trainable = True  # unfreeze through the handle, recompile, fine-tune
-        with kmix.policy_scope("O1" if m is model else "float32"):
-            m.compile(optimizer=kmix.wrap(keras.optimizers.Adam(1e-5)), loss="mse")
+        compile_for(m, 1e-5)
         m.fit(x, y, batch_size=32, epochs=1, verbose=0)
         assert any(not np.array_equal(_numpy(v), w) for v, w in zip(base.trainable_weights, frozen))
     assert len(model.trainable_weights) == len(reference.trainable_weights) == 8
@@ -135,6 +142,8 @@ def test_a_class_that_drops_dtype_from_its_config_is_named():
 @pytest.mark.parametrize("level", ["O1"] + [pytest.param(level, marks=full_only("about 11 s on 2 cores"))
                                              for level in ("O2", "mixed_bfloat16")])
 def test_subclassed_model_trains_with_xla_like_float32(level):
+    """The placed model under XLA reaches the loss the float32 model reaches (plain Keras, run eagerly)."""
+
     class Net(keras.Model):
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
@@ -157,8 +166,11 @@ def test_subclassed_model_trains_with_xla_like_float32(level):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the reload warning: a subclassed model rebuilds its layers
                 assert kmix.autocast(net, level) is net
-        with kmix.policy_scope(level if placed else "float32"):
-            net.compile(optimizer=kmix.wrap(keras.optimizers.Adam(1e-2)), loss="mse", jit_compile=True)
+        if placed:
+            with kmix.policy_scope(level):
+                net.compile(optimizer=kmix.wrap(keras.optimizers.Adam(1e-2)), loss="mse", jit_compile=True)
+        else:
+            net.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", run_eagerly=True)
         models.append(net.fit(x, y, batch_size=32, epochs=6, shuffle=False, verbose=0).history["loss"])
     reference, got = models
     # An easy regression: both reach the same loss, whatever the CPU's half kernels.

@@ -1,6 +1,7 @@
 """Norms inside keras-hub blocks compute in float32 under O1 and O2, and hand back the block's dtype.
 
-Each backbone is built tiny from its constructor (no presets), its token
+Each backbone is built tiny from its constructor (no presets; one block, or
+one encoder and one decoder block for T5: a second repeats the first), its token
 embedding scaled so that the activations entering the norms reach |x| ~ 1e3
 (squares ~ 1e6, past float16's 65504). The autocast copy must predict like
 the float32 model, keep the norms' variables in float32, and do the same
@@ -46,13 +47,13 @@ def _t5_inputs(rng):
             "decoder_token_ids": ids(), "decoder_padding_mask": ones}
 
 
-DECODER = dict(vocabulary_size=VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+DECODER = dict(vocabulary_size=VOCAB, num_layers=1, num_query_heads=2, num_key_value_heads=1,
                hidden_dim=16, intermediate_dim=32)
 BACKBONES = {
     # T5's attention adds a -1e9 mask: -inf in float16 whatever the norms do (kmix.diagnose and
     # `sample=` find it, tests/placing/test_autocast_sample.py); kept float32 here, so that what
     # this test sees is the norms.
-    "T5Backbone": (dict(vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
+    "T5Backbone": (dict(vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=16, intermediate_dim=32,
                         key_value_dim=8, dropout=0.0), _t5_inputs, T5LayerNorm, [T5MultiHeadAttention]),
     "LlamaBackbone": (DECODER, _decoder_inputs, LlamaLayerNorm, None),
     "GemmaBackbone": (dict(DECODER, head_dim=8), _decoder_inputs, GemmaRMSNormalization, None),
@@ -94,7 +95,7 @@ def _assert_close(got, expected):
 @pytest.mark.parametrize("cls_name", sorted(BACKBONES))
 def test_block_norms_compute_in_float32(cls_name, level):
     if (cls_name, level) == ("T5Backbone", "O2") and not FULL:
-        pytest.skip("T5 under O2 is checked for placement only (below), about 20 s on 2 cores; "
+        pytest.skip("T5 under O2 is checked for placement only (below), about 10 s on 2 cores; "
                     "set KMIX_FULL_TESTS=1 to run it")
     model, x, norm_cls, float32_layers = _build(cls_name)
     expected = _numpy(model(x, training=False))
@@ -132,7 +133,7 @@ def test_block_norms_compute_in_float32(cls_name, level):
         _assert_close(_numpy(loaded(x, training=False)), expected)
 
 
-@pytest.mark.skipif(not FULL, reason="about 22 s on 2 cores; set KMIX_FULL_TESTS=1 to run it")
+@pytest.mark.skipif(not FULL, reason="about 10 s on 2 cores; set KMIX_FULL_TESTS=1 to run it")
 def test_t5_block_norms_in_half_overflow(monkeypatch):
     """The reference the test above stands on: T5's block norms left in half give no usable output."""
     model, x, norm_cls, float32_layers = _build("T5Backbone")
