@@ -59,7 +59,8 @@ def real(name, value, low=None, high=None, low_open=False, high_open=False, allo
             f"`{name}` must be a real number. Received: {name}={value!r} "
             f"(of type {type(value).__name__})."
         )
-    number = float(value) if not isinstance(value, numbers.Integral) or abs(value) < 2**1024 else (math.inf if value > 0 else -math.inf)
+    big = isinstance(value, numbers.Integral) and abs(value) >= 2**1024  # beyond float's range
+    number = math.inf * (1 if value > 0 else -1) if big else float(value)
     if math.isnan(number) or (math.isinf(number) and not allow_inf):
         raise ValueError(f"`{name}` must be finite. Received: {name}={value!r}")
     below = low is not None and (number <= low if low_open else number < low)

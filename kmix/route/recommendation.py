@@ -10,6 +10,8 @@ from kmix.route.decision import Recommendation, decide, decide_routes, no_half_t
 from kmix.route.decision import policy_name as _policy
 from kmix.route.probe import probe as measure_probe
 
+PROBE_SHARE = 0.4  # of budget_s, for the device's probe before any route is built: XLA left out beyond it
+
 
 @_compat.releases_custom_gradients
 def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=None, optimizer=None,
@@ -79,7 +81,7 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
     table = dataclasses.replace(table, skipped=tuple(skipped))
     if probe is None and no_half_timed(table):  # dtypes= given: the probe that decides is measured now
         probe = _measured(probe, verbose and "no half route timed within budget_s: probing this device to decide",
-                          model_shape(model), _probe_budget(budget_s), PROBE_SHARE * budget_s)
+                          model_shape(model), _probe_budget(budget_s), budget_s - (time.perf_counter() - start))
     return _noted(decide_routes(table, probe, gpus, facts.cpu_features(), facts.onednn_enabled()), *notes)
 
 
@@ -92,9 +94,6 @@ def _measured(probe, why, shape, budget=0.25, limit_s=None):
 
 def _noted(rec, *notes):
     return dataclasses.replace(rec, reasons=rec.reasons + notes) if notes else rec
-
-
-PROBE_SHARE = 0.4  # of budget_s, for the device's probe before any route is built: XLA left out beyond it
 
 
 def _probe_budget(budget_s):
