@@ -38,6 +38,21 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def collective_keys_of_its_own():
+    """Every test's `MirroredStrategy` numbers its collectives from keys no other test used.
+
+    Each strategy numbers its collective ops from the same keys, and TensorFlow's
+    runtime remembers each key's shape and dtype for the life of the process: a
+    second strategy (another test, or an example run in this process) whose first
+    all-reduce has another shape aborts every collective after it. A program has
+    one strategy; a test process has many. TensorFlow's own tests move this class
+    attribute by 100,000 per strategy for the same reason (strategy_combinations.py).
+    """
+    tf.distribute.MirroredStrategy._collective_key_base += 100_000
+    yield
+
+
+@pytest.fixture(autouse=True)
 def restore_keras_globals():
     """Restore Keras's global dtype policy and kmix's policy after every test."""
     policy = keras.config.dtype_policy()

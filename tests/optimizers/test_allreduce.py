@@ -20,23 +20,9 @@ _STRATEGY = []
 
 
 def two_replica_strategy():
-    """One `MirroredStrategy` over two logical CPUs for this whole module, with its own collective keys.
-
-    Every `MirroredStrategy` over the same devices numbers its collectives from
-    the same keys, and TensorFlow's runtime remembers each key's dtype for the
-    life of the process: a float16 all-reduce here and a float32 one under
-    another strategy at the same key fail ("expected data_type 19 but got 14").
-    A program has one strategy; a test process has many, so this module keeps
-    one, with a key range of its own (the class attribute TensorFlow's own
-    tests set for this; it is read when the strategy is created).
-    """
+    """One `MirroredStrategy` over two logical CPUs for this whole module (its keys: tests/conftest.py)."""
     if not _STRATEGY:
-        base = tf.distribute.MirroredStrategy._collective_key_base
-        tf.distribute.MirroredStrategy._collective_key_base = 10_000
-        try:
-            _STRATEGY.append(new_two_replica_strategy())
-        finally:
-            tf.distribute.MirroredStrategy._collective_key_base = base
+        _STRATEGY.append(new_two_replica_strategy())
     return _STRATEGY[0]
 
 
