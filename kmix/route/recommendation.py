@@ -61,7 +61,9 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
     else:
         dtypes, skipped = rule.check_dtypes(dtypes), ()
     routes, gpus = [(_policy(d), jit) for d in dtypes for jit in (False, True)], facts.gpus()
-    (build, forward), variables = trials.build_estimate(model, batch[0]), len(model.trainable_variables)
+    # Every variable, frozen ones too: a step traces (and TensorFlow optimizes) each layer it runs, and a LoRA
+    # model runs hundreds of frozen ones for a few dozen trainable variables (Qwen2 0.5B: 64.6 s, not 14).
+    (build, forward), variables = trials.build_estimate(model, batch[0]), len(model.variables)
     firsts = {route: trials.first_build(route, build, probe, variables) for route in routes}
     spent = time.perf_counter() - start
     cheapest = min(seconds for (policy, _), seconds in firsts.items() if policy == "float32")
@@ -70,7 +72,7 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
         rec = decide(probe, gpus, facts.cpu_features(), facts.onednn_enabled())
         return _noted(rec, f"budget_s={budget_s:g} left {max(budget_s - spent, 0):.1f} s after {spent:.1f} s of "
                       f"probing and checks: not enough to build one route on the model (about {cheapest:.1f} s, "
-                      f"estimated from the probe's pace and the model's {variables} trainable variables, or from one "
+                      f"estimated from the probe's pace and the model's {variables} variables, or from one "
                       f"forward pass on the batch, {forward * 1e3:.0f} ms). Recommended from this device's probe "
                       f"instead (above). Timing every route would take a budget_s of about "
                       f"{spent + sum(firsts.values()):.0f} s or more (this call's {spent:.0f} s again, {len(routes)} "

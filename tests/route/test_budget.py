@@ -201,3 +201,17 @@ def test_a_budget_too_short_for_one_route_recommends_from_the_probe_and_says_so(
     # bfloat16, the dtypes the probe ranks worth timing), said to be an estimate.
     needed = re.search(r"Timing every route would take a budget_s of about (\d+) s or more", note)
     assert needed and 240 <= int(needed.group(1)) <= 250 and "estimated, not measured" in note, note
+
+
+def test_a_frozen_models_first_build_is_estimated_from_all_its_variables(monkeypatch):
+    """A LoRA-like model (frozen layers, few trainable variables) traces every layer: all its variables count."""
+    import keras
+
+    model, x, y = _small_model()
+    model.layers[1].trainable = False  # the first Dense frozen: 2 of its 6 variables
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    seen = []
+    monkeypatch.setattr(trials, "first_build",
+                        lambda route, build, probe=None, variables=0: seen.append(variables) or 1e9)
+    kmix.recommend(model, x, y, batch_size=16, budget_s=30, probe=_probe((120, 110), (210, 100)), verbose=False)
+    assert len(model.trainable_variables) == 4 and set(seen) == {len(model.variables)} == {6}
