@@ -61,8 +61,7 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
     else:
         dtypes, skipped = rule.check_dtypes(dtypes), ()
     routes, gpus = [(_policy(d), jit) for d in dtypes for jit in (False, True)], facts.gpus()
-    # Every variable, frozen ones too: a step traces (and TensorFlow optimizes) each layer it runs, and a LoRA
-    # model runs hundreds of frozen ones for a few dozen trainable variables (Qwen2 0.5B: 64.6 s, not 14).
+    # All variables: a step traces every layer, frozen ones too (a LoRA Qwen2 0.5B built in 64.6 s, not 14).
     (build, forward), variables = trials.build_estimate(model, batch[0]), len(model.variables)
     firsts = {route: trials.first_build(route, build, probe, variables) for route in routes}
     spent = time.perf_counter() - start

@@ -110,8 +110,7 @@ class RouteTable:
         budget = "" if self.budget_s is None else f" of budget_s={self.budget_s:g}"
         before = f"{self.before_s:.0f} s before the first build (the probe, the checks), then " if self.order else ""
         lines = [f"Training step of your model on {self.batch}: median of interleaved rounds ({self.seconds:.0f} s "
-                 f"in all{budget}: {before}building, compiling and the rounds)",
-                 format_table(headers, rows),
+                 f"in all{budget}: {before}building, compiling and the rounds)", format_table(headers, rows),
                  "x float32: the float32 reference route's step over this route's, round by round (median); "
                  "spread: interquartile range over the median."]
         lines += [f"{dtype}: not timed: {reason}" for dtype, reason in self.skipped]
