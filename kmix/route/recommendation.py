@@ -61,9 +61,8 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
     else:
         dtypes, skipped = rule.check_dtypes(dtypes), ()
     routes, gpus = [(_policy(d), jit) for d in dtypes for jit in (False, True)], facts.gpus()
-    # All variables: a step traces every layer, frozen ones too (a LoRA Qwen2 0.5B built in 64.6 s, not 14).
-    (build, forward), variables = trials.build_estimate(model, batch[0]), len(model.variables)
-    firsts = {route: trials.first_build(route, build, probe, variables) for route in routes}
+    build, forward = trials.build_estimate(model, batch[0])
+    firsts = {route: trials.first_build(route, build, probe) for route in routes}
     spent = time.perf_counter() - start
     cheapest = min(seconds for (policy, _), seconds in firsts.items() if policy == "float32")
     if cheapest > budget_s - spent:  # not even one route fits: what this device's probe measured decides
@@ -71,11 +70,11 @@ def recommend(model=None, x=None, y=None, *, sample=None, batch_size=None, loss=
         rec = decide(probe, gpus, facts.cpu_features(), facts.onednn_enabled())
         return _noted(rec, f"budget_s={budget_s:g} left {max(budget_s - spent, 0):.1f} s after {spent:.1f} s of "
                       f"probing and checks: not enough to build one route on the model (about {cheapest:.1f} s, "
-                      f"estimated from the probe's pace and the model's {variables} variables, or from one "
-                      f"forward pass on the batch, {forward * 1e3:.0f} ms). Recommended from this device's probe "
-                      f"instead (above). Timing every route would take a budget_s of about "
-                      f"{spent + sum(firsts.values()):.0f} s or more (this call's {spent:.0f} s again, {len(routes)} "
-                      "builds so estimated, and their rounds), estimated, not measured: a busier machine needs more.",
+                      f"estimated as {trials.BUILD_FORWARDS} forward passes on the batch of {forward * 1e3:.0f} ms, "
+                      "or a small model's build at the probe's pace). Recommended from this device's probe instead "
+                      f"(above). Timing every route would take a budget_s of about {spent + sum(firsts.values()):.0f} "
+                      f"s or more (this call's {spent:.0f} s again, {len(routes)} builds so estimated, and their "
+                      "rounds), estimated, not measured: a busier machine needs more.",
                       *notes)
     table = trials.time_routes(model, batch, loss, optimizer, routes, budget_s, verbose,
                                default_jit=bool(gpus), start=start, probe=probe, first_builds=firsts)

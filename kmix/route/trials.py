@@ -19,9 +19,10 @@ from kmix.route.timing import MAX_ROUNDS, MIN_ROUNDS  # noqa: F401  (timing's; t
 
 TARGET_ROUNDS = 10  # the budget is spread so that about this many rounds fit in it
 OVERRUN = 0.2  # the rounds stop at (1 + OVERRUN) x budget_s, their minimum reached or not
-XLA_BUILD, TRACE, PER_VARIABLE = 3.0, 3.0, 0.5  # the build estimates, measured on this project's 2-core CPU
-STEPS_PER_BUILD = 3  # a route's build runs this many training steps (two to trace and build, one timed)
-FORWARDS_PER_STEP = 3  # a training step costs about three forward passes (forward, two backward matmuls)
+XLA_BUILD, TRACE = 3.0, 3.0  # an XLA build over a tf.function one; a small model's build, in probe configurations
+# A build (autocast, compile, two steps: the first traces and optimizes the step's graph) over one eager forward
+# pass on the batch: 11x on a 2-block encoder, 16x on a LoRA Qwen2 0.5B (Xeon, 2 cores; the rounds are apart).
+BUILD_FORWARDS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +173,7 @@ def build_estimate(model, x):
     """`(seconds a route's build is estimated to take, seconds one forward pass took)`, from one forward pass."""
     # Converted to NumPy for the sync: on a GPU the call returns once the ops are queued, not done.
     forward = timing.seconds(lambda: keras.tree.map_structure(keras.ops.convert_to_numpy, model(x, training=False)))
-    return forward * (STEPS_PER_BUILD * FORWARDS_PER_STEP + 1), forward  # the build's steps, and a trace
+    return forward * BUILD_FORWARDS, forward
 
 
 def fitting_first(order, first_builds, left):
@@ -181,11 +182,11 @@ def fitting_first(order, first_builds, left):
     return [fits[0]] + [route for route in order if route != fits[0]] if fits else list(order)
 
 
-def first_build(route, forward_build, probe=None, variables=0):
-    """Seconds `route`'s build is estimated to take before any route was built (`forward_build`: `build_estimate`'s)."""
+def first_build(route, forward_build, probe=None):
+    """Seconds `route`'s build is estimated to take before any route was built (`forward_build`: `build_estimate`'s);
+    at least a small model's build at the pace of the device's `probe`."""
     per_configuration = probe.seconds / len(probe.gflops) if probe is not None and probe.gflops else 0.0
-    trace = per_configuration * max(TRACE, PER_VARIABLE * variables) * (XLA_BUILD if route[1] else 1.0)
-    return max(forward_build, trace)
+    return max(forward_build, per_configuration * TRACE * (XLA_BUILD if route[1] else 1.0))
 
 
 def estimate_build(route, setup):

@@ -365,7 +365,7 @@ def test_the_build_estimate_times_the_forward_pass_to_its_end():
     inputs = keras.Input((4,))
     model = keras.Model(inputs, {"a": keras.layers.Lambda(slow, output_shape=(4,))(inputs), "b": [inputs * 2]})
     build, forward = trials.build_estimate(model, np.ones((2, 4), "float32"))
-    assert forward >= 0.2 and build == pytest.approx(forward * (trials.STEPS_PER_BUILD * trials.FORWARDS_PER_STEP + 1))
+    assert forward >= 0.2 and build == pytest.approx(forward * trials.BUILD_FORWARDS)
 
 
 def test_the_probe_rows_grow_until_a_call_is_not_launch_bound():
