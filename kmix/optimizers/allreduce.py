@@ -73,9 +73,7 @@ def values_of(g):
 
 def map_values(g, fn):
     """`fn` applied to a gradient's values, `tf.IndexedSlices` kept sparse."""
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(fn(g.values), g.indices, g.dense_shape)
-    return fn(g)
+    return tf.IndexedSlices(fn(g.values), g.indices, g.dense_shape) if isinstance(g, tf.IndexedSlices) else fn(g)
 
 
 def _to_half(x, dtype, wire, bad):

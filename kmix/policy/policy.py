@@ -125,9 +125,7 @@ class Policy:
 
         `kmix.Policy(policy.name)` is the same policy.
         """
-        if self._spec in _OPT_LEVELS[1:]:
-            return f"{self._spec}-{self._half}"
-        return self._spec
+        return f"{self._spec}-{self._half}" if self._spec in _OPT_LEVELS[1:] else self._spec
 
     @property
     def opt_level(self):

@@ -1,5 +1,6 @@
 """`kmix.export(model, path)`: place, write beside the path, read back and check against float32, move in."""
 
+import contextlib
 import gc
 import os
 import time
@@ -8,12 +9,11 @@ import warnings
 import keras
 import tensorflow as tf
 
-from kmix import _compat
 from kmix._output import progress
 from kmix.placing import autocast
 from kmix._tree import digest, walk
 from kmix.policy.policy import Policy
-from kmix import _checks, _preserved
+from kmix import _checks, _compat, _preserved
 from kmix.serving import artifact, check, destination, half_weights
 
 _HALF = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "f16": "float16"}
@@ -75,6 +75,8 @@ def _export_in_place(model, targets, half, x, origin, float32_layers, say):
         say(f"kmix.export: placing {model.name!r} ({half}, in place for the export)")
         _autocast(model, Policy("O1", half=half), float32_layers)
         weights, signature = half_weights.HalfWeights(model, half), artifact.input_signature(model, model, x)
+        traced = contextlib.ExitStack()  # the trace's gradient registrations would hold it and the half weights
+        traced.enter_context(_compat.releasing_custom_gradients())
         serve = tf.function(weights.call, input_signature=signature, autograph=False)  # traced once, on write
         written = [digest(v) for v in weights.variables()]
         sizes, stored, kept_float32 = weights.bytes(), weights.stored_in_half, weights.kept_float32
@@ -86,6 +88,7 @@ def _export_in_place(model, targets, half, x, origin, float32_layers, say):
         def release():  # the half weights, before the artifact's own are read back
             nonlocal weights, serve
             weights = serve = None
+            traced.close()
             gc.collect()
 
         def verify(to, path):
