@@ -28,8 +28,8 @@ MODELS = {  # keras-hub backbone class and arguments
 }
 DEFAULT_MODELS = ("gpt2-124m", "gpt2-355m")
 LARGE_MODELS = ("llama-836m",)
-CALLS = {"build": "Keras", "mixed build": "Keras", "autocast": "kmix", "model.export": "Keras", "export": "kmix",
-         "fit step": "Keras", "recommend": "kmix"}  # who makes each call; the float32 build is the baseline
+CALLS = {"build": "Keras", "mixed build": "Keras", "predict": "Keras", "autocast": "kmix", "model.export": "Keras",
+         "export": "kmix", "fit step": "Keras", "recommend": "kmix"}  # who makes each call; the float32 build: baseline
 HEADERS = ["model", "call", "by", "seconds", "x build", "extra peak GB", "x weights", "kept GB", "kept x weights"]
 
 
@@ -67,7 +67,7 @@ def measure(call, name, batch_size, seq, budget_s):
             model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         runners = {  # each call as a function of nothing (None: the build, measured above)
             "build": None,
-            "mixed build": lambda: build(name, "mixed_bfloat16"),
+            "mixed build": lambda: build(name, "mixed_bfloat16"), "predict": lambda: model.predict(x, verbose=0),
             "autocast": lambda: kmix.autocast(model, "O1-bfloat16"),
             "model.export": lambda: model.export(os.path.join(tmp, "keras"), format="tf_saved_model", verbose=False),
             "export": lambda: kmix.export(model, os.path.join(tmp, "kmix"), sample=x, verbose=False),
