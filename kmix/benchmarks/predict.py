@@ -24,7 +24,7 @@ def routes(recommendation):
                ("float32", "tf-rewrite", False)]
     if recommendation is not None:
         configs.append((recommendation.policy, "recommended", recommendation.jit_compile))
-    compute = getattr(getattr(recommendation, "policy", None), "compute_dtype", "float32")  # kmix.export's dtype
+    compute = "float32" if recommendation is None else kmix.Policy(recommendation.policy).compute_dtype  # export's
     return configs + [("float32", "keras-export", False),
                       (compute if compute in ("float16", "bfloat16") else "bfloat16", "kmix.export", False)]
 

@@ -68,3 +68,13 @@ def test_grappler_rewrite_is_scoped():
     assert not tf.config.optimizer.get_experimental_options().get(key, False)
     with pytest.raises(ValueError, match="stack"):
         routes.Route("gpt", {}, "float32", "torch", False)
+
+
+@pytest.mark.parametrize("policy,exported", [("O1", "float16"), ("O1-bfloat16", "bfloat16"), ("float32", "bfloat16"),
+                                             (None, "bfloat16")])
+def test_the_export_row_takes_the_recommended_half_dtype(policy, exported):
+    """The recommendation's policy is its name: the export row's dtype is the half it computes in (else bfloat16)."""
+    import types
+
+    rec = None if policy is None else types.SimpleNamespace(policy=policy, jit_compile=False)
+    assert predict.routes(rec)[-1] == (exported, "kmix.export", False)
