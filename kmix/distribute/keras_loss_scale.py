@@ -19,9 +19,7 @@ def _any_nonfinite(grads):
         for g in grads
         if g is not None
     ]
-    if not flags:
-        return tf.constant(0.0)
-    return tf.cast(tf.reduce_any(tf.stack(flags)), tf.float32)
+    return tf.cast(tf.reduce_any(tf.stack(flags)), tf.float32) if flags else tf.constant(0.0)
 
 
 def _poison(g, overflow):
@@ -29,9 +27,7 @@ def _poison(g, overflow):
         return None
     values = g.values if isinstance(g, tf.IndexedSlices) else g
     values = tf.where(overflow, tf.constant(float("nan"), values.dtype), values)
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(values, g.indices, g.dense_shape)
-    return values
+    return tf.IndexedSlices(values, g.indices, g.dense_shape) if isinstance(g, tf.IndexedSlices) else values
 
 
 def _make_apply(keras_apply):

@@ -89,9 +89,7 @@ def _call_parameters(layer):
         params = inspect.signature(layer.call).parameters.values()
     except (TypeError, ValueError):
         return None
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params}
+    return None if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params) else {p.name for p in params}
 
 
 def _sublayers(layer):

@@ -119,7 +119,7 @@ def _place(model, rules, specs, copy, advised, float32_layers):
     before = {id(row.layer): (resolved_policy(row.layer).name, type(row.layer)) for row in plan}
 
     write.place(plan)
-    repaired, built, outputs, holders = repair.Repaired({}, {}), None, None, []
+    repaired, built, outputs, holders = repair.Repaired({}, {}), None, None, write.stale_maps(plan)
     for round_ in range(_ROUNDS):  # one twin, and one more where the repair changes the plan
         built, holders = _twin(model, plan, built, holders)
         verdict, edits = twin.compare(model, built, rules.default.name)

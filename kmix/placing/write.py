@@ -97,6 +97,14 @@ def write_maps(plan, twin=None, holders=()):
     return _give_maps(plan.model, [row[:3] for row in plan], placed, plan.listed, twin, holders)
 
 
+def stale_maps(plan):
+    """The blocks holding a map (an earlier placement's) that gives one of their layers another policy than it has."""
+    now = {row.layer.path: resolved_policy(row.layer).name for row in plan if row.layer.path}
+    return [row.layer for row in plan if isinstance(row.layer.dtype_policy, keras.dtype_policies.DTypePolicyMap)
+            and any(key != row.layer.path and key in now and row.layer.dtype_policy[key].name != now[key]
+                    for key in row.layer.dtype_policy)]
+
+
 def record_maps(model, found, twin=None):
     """Gives maps to the blocks that re-create the layers of `found` (`twin.differences(model, twin)`)."""
     rows = list(walk(model))

@@ -170,9 +170,7 @@ class Policy:
             half compute, or `("<half>")` for half params.
         """
         params, compute, _ = self._dtypes
-        if params == compute:
-            return keras.DTypePolicy(params)
-        return keras.DTypePolicy(f"mixed_{compute}")
+        return keras.DTypePolicy(params if params == compute else f"mixed_{compute}")
 
     def cast_to_param(self, x):
         """Casts the floating tensors in the nested structure `x` to `params_dtype`."""

@@ -233,3 +233,29 @@ def test_fixed_dtype_variables_fall_back_on_loras_names_where_the_layer_cannot_b
     with pytest.raises(TypeError):
         _NoRebuild.from_config(layer.get_config())  # the premise: it cannot be rebuilt
     assert fixed_dtype_variables(layer, keras.DTypePolicy("bfloat16")) == {id(layer.lora_scale), id(layer.lora_gate)}
+
+
+def test_placing_a_placed_keras_hub_lm_again_drops_the_earlier_placements_maps():
+    """The maps an O1-bfloat16 placement gave the blocks held their layers in bfloat16 through a float32 placement."""
+    import kmix
+
+    keras_hub = pytest.importorskip("keras_hub")
+
+    def build():
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.Qwen2Backbone(vocabulary_size=64, num_layers=1, num_query_heads=2,
+                                                  num_key_value_heads=1, hidden_dim=16, intermediate_dim=32)
+        return keras_hub.models.Qwen2CausalLM(backbone=backbone, preprocessor=None)
+
+    x = {"token_ids": np.arange(16).reshape(2, 8) % 64, "padding_mask": np.ones((2, 8), "int32")}
+    # Compute dtypes in layer order: a second model's paths differ by Keras's name counters.
+    dtypes = lambda lm: [layer.compute_dtype for _, layer, _ in walk(lm)]  # noqa: E731
+    lm = build()
+    float32 = keras.ops.convert_to_numpy(lm(x))
+    kmix.autocast(lm, "O1-bfloat16")
+    assert "bfloat16" in dtypes(lm)
+    kmix.autocast(lm, "float32")
+    assert set(dtypes(lm)) == {"float32"}
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(lm(x)), float32)  # the float32 model, bitwise
+    kmix.autocast(lm, "O1")  # another half: as a fresh model placed so
+    assert dtypes(lm) == dtypes(kmix.autocast(build(), "O1"))
