@@ -113,7 +113,8 @@ def placement_listing(model):
             constants = tuple(
                 (name, keras.backend.standardize_dtype(value.dtype))
                 for name, value in sorted(vars(child).items())
-                if keras.ops.is_tensor(value) and not isinstance(value, keras.Variable)
+                if hasattr(value, "dtype") and hasattr(value, "shape")  # cheap first: is_tensor is slow on all
+                and keras.ops.is_tensor(value) and not isinstance(value, keras.Variable)
             )
             listing[path] = (type(child).__name__, child.compute_dtype, child.variable_dtype, own, constants)
             visit(child, path + "/")

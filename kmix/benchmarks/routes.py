@@ -106,16 +106,16 @@ class Route:
         if stack not in STACKS:
             raise ValueError(f"`stack` must be one of {STACKS}. Received: stack={stack!r}")
         self.model_name, self.size, self.policy, self.stack, self.loss = model_name, size, policy, stack, None
-        plain = stack in ("keras", "keras-again", "tf-rewrite")
+        kmix_stack = stack in ("kmix", *PLACED)  # kmix's attention and kmix.wrap's optimizer
         with kmix.policy_scope("float32" if stack == "tf-rewrite" or stack in PLACED else policy):
-            model, self.data, self.items = build(model_name, size, "keras" if plain else "kmix")
+            model, self.data, self.items = build(model_name, size, "kmix" if kmix_stack else "keras")
         if stack == "autocast":  # "mixed_<half>" -> "O1-<half>"
             policy = self.policy = "O1-" + policy.split("_", 1)[1] if policy.startswith("mixed_") else policy
         model = kmix.autocast(model, policy) if stack in PLACED else model
-        optimizer = keras.optimizers.AdamW(1e-4)
         with kmix.policy_scope(policy if stack != "tf-rewrite" else "float32"):
-            optimizer = kmix.wrap(optimizer) if stack == "kmix" or stack in PLACED else optimizer
+            optimizer = kmix.wrap(keras.optimizers.AdamW(1e-4)) if kmix_stack else keras.optimizers.AdamW(1e-4)
             model.compile(optimizer=optimizer, loss=loss_for(model_name), jit_compile=jit_compile)
+            model.optimizer.build(model.trainable_variables)  # here: a first step that builds it traces twice
         self.model, self.jit_compile = model, bool(model.jit_compile)
 
     def _context(self):

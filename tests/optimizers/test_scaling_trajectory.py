@@ -57,12 +57,17 @@ def test_trajectory_matches_simulation(settings):
     opt.build([var])
 
     @tf.function
-    def step(bad):
-        grad = tf.where(bad, tf.constant([1.0, np.inf, 1.0]), tf.ones(3))
-        opt.apply([grad], [var])
-        return opt.loss_scale, opt.good_steps.value, opt.skipped_steps.value
+    def steps(bad):
+        """One `apply` per entry of `bad`, in a loop in one graph (3000 calls from Python cost seconds)."""
+        read = lambda: (opt.loss_scale, opt.good_steps.value, opt.skipped_steps.value)  # noqa: E731
+        arrays = [tf.TensorArray(t.dtype, size=len(overflows)) for t in read()]
+        for i in tf.range(len(overflows)):
+            grad = tf.where(bad[i], tf.constant([1.0, np.inf, 1.0]), tf.ones(3))
+            opt.apply([grad], [var])
+            arrays = [a.write(i, t) for a, t in zip(arrays, read())]  # read after this step's apply
+        return [a.stack() for a in arrays]
 
-    got = [tuple(float(t) for t in step(tf.constant(bool(b)))) for b in overflows]
+    got = list(zip(*(t.numpy().astype(float).tolist() for t in steps(tf.constant(overflows)))))
     expected = simulate(overflows, **settings)
     first = next((i for i, (g, e) in enumerate(zip(got, expected)) if g != tuple(map(float, e))), None)
     assert first is None, f"step {first}: got {got[first]}, expected {expected[first]}"

@@ -4,10 +4,11 @@ import platform
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import kmix
-from kmix.route import doctor, onednn, timing
+from kmix.route import doctor, onednn, probe, recommendation, timing
 from kmix.route.recommendation import Recommendation
 from tests.testing import full_only
 
@@ -34,7 +35,16 @@ def test_report_for_a_gpu():
     assert "kmix.autocast(model, 'O1-bfloat16')" in text and "jit_compile=True" in text
 
 
-def test_main_prints_versions_and_recommendation(capsys):
+@pytest.fixture
+def small_probe(monkeypatch):
+    """`doctor.main`'s probe at a small shape: the same measurement (every dtype, tf.function and XLA) in under
+    half the default shape's time (test_recommendation.py checks a real probe at its own size)."""
+    monkeypatch.setattr(recommendation, "measure_probe",
+                        lambda shape, budget, limit_s: probe.probe((64, 16, 32), 0.02, limit_s))
+
+
+def test_main_prints_versions_and_recommendation(capsys, small_probe):
+    """The versions, the facts, and the route the probe measured, with its figures."""
     result = doctor.main([])
     out = capsys.readouterr().out
     for name, version in [
@@ -90,7 +100,7 @@ def test_why_a_cuda_build_sees_no_gpu():
     assert "CUDA_VISIBLE_DEVICES is set to ''" in report
 
 
-def test_doctor_with_cuda_visible_devices_empty_says_why(monkeypatch, capsys):
+def test_doctor_with_cuda_visible_devices_empty_says_why(monkeypatch, capsys, small_probe):
     """`main` with the variable set empty: the reason matches this TensorFlow build and its GPUs."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     result = doctor.main([])
