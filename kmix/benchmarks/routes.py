@@ -115,7 +115,6 @@ class Route:
         with kmix.policy_scope(policy if stack != "tf-rewrite" else "float32"):
             optimizer = kmix.wrap(keras.optimizers.AdamW(1e-4)) if kmix_stack else keras.optimizers.AdamW(1e-4)
             model.compile(optimizer=optimizer, loss=loss_for(model_name), jit_compile=jit_compile)
-            model.optimizer.build(model.trainable_variables)  # here: a first step that builds it traces twice
         self.model, self.jit_compile = model, bool(model.jit_compile)
 
     def _context(self):
@@ -124,6 +123,8 @@ class Route:
     def train(self, steps):
         """Trains `steps` steps; keeps the last loss."""
         with self._context():
+            if not self.model.optimizer.built:  # here, not in fit: a first step that builds it traces twice
+                self.model.optimizer.build(self.model.trainable_variables)
             history = self.model.fit(self.data, steps_per_epoch=steps, epochs=1, shuffle=False, verbose=0)
         self.loss = float(history.history["loss"][-1])
 

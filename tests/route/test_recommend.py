@@ -56,7 +56,7 @@ def test_recommend_on_a_model_times_its_routes_and_leaves_the_model_as_it_was(ca
     model, x, y = _small_model()
     before, policy = _state(model), keras.config.dtype_policy().name
     with caplog.at_level("WARNING"):
-        rec = kmix.recommend(model, x, y, batch_size=16, dtypes=("bfloat16",), budget_s=6.0, probe=FAKE_PROBE,
+        rec = kmix.recommend(model, x, y, batch_size=16, dtypes=("bfloat16",), budget_s=12.0, probe=FAKE_PROBE,
                              verbose=False)
     _assert_same_state(before, _state(model))
     assert keras.config.dtype_policy().name == policy
@@ -122,7 +122,7 @@ def test_recommend_creates_one_optimizer_state_and_puts_back_what_a_step_moves()
     before = _state(model)
     reference = model.predict(x, verbose=0)
     with created_variables() as created:  # autocast's weightless twins included: they create none
-        rec = kmix.recommend(model, x, y, batch_size=8, dtypes=("bfloat16",), budget_s=5.0, probe=FAKE_PROBE,
+        rec = kmix.recommend(model, x, y, batch_size=8, dtypes=("bfloat16",), budget_s=8.0, probe=FAKE_PROBE,
                              verbose=False)
     _assert_same_state(before, _state(model))
     np.testing.assert_array_equal(model.predict(x, verbose=0), reference)
