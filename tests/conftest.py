@@ -1,6 +1,5 @@
 """Shared pytest fixtures: every test starts and ends under Keras's default policy."""
 
-import gc
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -26,19 +25,6 @@ if _cpus:
         pass
 
 from kmix import _state  # noqa: E402  (after the device setup)
-
-# Python's full garbage-collector passes walk every object alive, TensorFlow's and Keras's modules
-# included (about 400,000 objects), and with the traces the tests leave they took 40-45 s a worker
-# (82 passes of up to 2 s). The imports' objects are frozen (never garbage), and a full pass comes
-# after 40 middle passes instead of 10: the same garbage is collected, less often.
-try:
-    import keras_hub  # noqa: F401  (imported by many tests: its objects frozen too)
-except ImportError:  # an optional test dependency: those tests skip
-    pass
-
-gc.collect()
-gc.freeze()
-gc.set_threshold(700, 10, 40)
 
 
 def pytest_collection_modifyitems(config, items):
