@@ -21,8 +21,8 @@ TARGET_ROUNDS = 10  # the budget is spread so that about this many rounds fit in
 OVERRUN = 0.2  # the rounds stop at (1 + OVERRUN) x budget_s, their minimum reached or not
 XLA_BUILD, TRACE = 3.0, 3.0  # an XLA build over a tf.function one; a small model's build, in probe configurations
 # A build (autocast, compile, two steps: the first traces and optimizes the step's graph) over one eager forward
-# pass on the batch: 11x on a 2-block encoder, 16x on a LoRA Qwen2 0.5B (Xeon, 2 cores; the rounds are apart).
-BUILD_FORWARDS = 16
+# pass on the batch: 11x on a 2-block encoder, 16-22x on a LoRA Qwen2 0.5B (Xeon, 2 cores; the rounds are apart).
+BUILD_FORWARDS = 24
 
 
 @dataclasses.dataclass(frozen=True)

@@ -187,15 +187,15 @@ def test_a_budget_too_short_for_one_route_recommends_from_the_probe_and_says_so(
     """Where one forward pass says a route's build would overrun the budget, nothing is built."""
     model, x, y = _small_model()
     monkeypatch.setattr(trials, "time_routes", lambda *a, **k: pytest.fail("built a route over budget"))
-    monkeypatch.setattr(trials, "build_estimate", lambda model, x: (60.0, 6.0))  # a large model's forward pass
+    monkeypatch.setattr(trials, "build_estimate", lambda model, x: (60.0, 2.5))  # a large model's forward pass
     probe = _probe((120, 110), (210, 100), (10, 10))
     rec = kmix.recommend(model, x, y, batch_size=16, budget_s=30, probe=probe, verbose=False)
     device_rec = decide(probe, device.gpus(), device.cpu_features(), device.onednn_enabled())
     assert (rec.policy, rec.jit_compile) == (device_rec.policy, device_rec.jit_compile) and rec.table is None
     note = rec.reasons[-1]
     assert note.startswith("budget_s=30 left "), note
-    assert "not enough to build one route on the model (about 60.0 s, estimated as 16 forward passes on the batch " \
-           "of 6000 ms" in note
+    assert "not enough to build one route on the model (about 60.0 s, estimated as 24 forward passes on the batch " \
+           "of 2500 ms" in note
     assert "Recommended from this device's probe instead" in note
     # The advice: the time spent before building again, and 4 builds of 60 s (the routes of float32 and
     # bfloat16, the dtypes the probe ranks worth timing), said to be an estimate.
