@@ -75,7 +75,6 @@ def wide_mlp(tmp_path_factory):
 def test_functional_savedmodel_half_weights_float32_in_and_out(wide_mlp):
     here, x, expected, report = wide_mlp.here, wide_mlp.x, wide_mlp.expected, wide_mlp.report
     assert wide_mlp.unchanged
-
     got = served(str(here / "half"))(x)
     assert got.dtype == tf.float32
     got = got.numpy()
@@ -124,7 +123,6 @@ def test_a_functional_graph_with_keras_ops_nodes_is_served_from_the_half_weights
     got = served(path)(x).numpy()
     np.testing.assert_allclose(got, expected, atol=BF16_RTOL * np.abs(expected).max())
     assert report.max_abs_diff == pytest.approx(np.abs(got - expected).max(), rel=1e-3, abs=1e-7)
-
     stored = {v.name.split(":")[0]: v.numpy() for v in tf.saved_model.load(path).weights}
     for variable in model.get_layer("proj").weights:  # a half layer's weights, rounded once
         want = tf.cast(variable.value, tf.bfloat16).numpy()
@@ -225,7 +223,6 @@ def test_keras_hub_causal_lm_and_backbone(tmp_path):
     assert np.abs(reloaded - expected).max() <= report.max_abs_diff * (1 + 1e-6)
     # The vocabulary projection is the output: float32 compute, its table stored in bfloat16.
     assert report.stored_in_half == ["gpt2_backbone/token_embedding"]
-
     # The backbone alone: a dict of inputs drawn from its specs, float32 outputs.
     report = export(backbone, str(tmp_path / "backbone"), verbose=False)
     assert "token_ids" in report.sample and np.isfinite(report.max_abs_diff)
@@ -337,8 +334,7 @@ def test_two_inputs_two_outputs_and_an_lstm(tmp_path):
 
 def test_bad_input_names_the_argument(tmp_path):
     assert kmix.export is export
-    model = mlp()
-    path = str(tmp_path / "half")
+    model, path = mlp(), str(tmp_path / "half")
     with pytest.raises(ValueError, match=r"`dtype` must be .*Received: dtype='float32'"):
         export(model, path, dtype="float32")
     with pytest.raises(TypeError, match=r"`filepath` must be a path.*Received: filepath=3"):
@@ -355,8 +351,7 @@ def test_bad_input_names_the_argument(tmp_path):
 
 
 def test_bad_arguments_are_refused_at_the_call_and_nothing_is_written(tmp_path):
-    model = mlp()
-    x = inputs((8, 32))
+    model, x = mlp(), inputs((8, 32))
     for name in ("model.h5", "model.hdf5"):
         with pytest.raises(ValueError, match=r"`filepath` must be a directory for a SavedModel or a file ending in "
                                              r"'.keras'.*Received: filepath="):
@@ -383,11 +378,8 @@ def test_an_int64_sample_of_token_ids_is_taken_as_the_models_int32(tmp_path):
 
 
 def test_a_failed_read_back_leaves_nothing_behind(tmp_path, monkeypatch):
-    from kmix.serving import artifact as artifact_module
-
-    model = mlp()
-    x = inputs((8, 32))
-    load, read_saved_model = artifact_module.load, artifact_module.read_saved_model
+    model, x = mlp(), inputs((8, 32))
+    load, read_saved_model = artifact.load, artifact.read_saved_model
 
     def wrong(path, served_model):  # a .keras file rebuilt so that it computes otherwise
         call, seconds = load(path, served_model)
@@ -398,8 +390,8 @@ def test_a_failed_read_back_leaves_nothing_behind(tmp_path, monkeypatch):
         weights[0].assign(weights[0] + tf.cast(1.0, weights[0].dtype))
         return call, weights
 
-    monkeypatch.setattr(artifact_module, "load", wrong)
-    monkeypatch.setattr(artifact_module, "read_saved_model", moved)
+    monkeypatch.setattr(artifact, "load", wrong)
+    monkeypatch.setattr(artifact, "read_saved_model", moved)
     with pytest.raises(ValueError, match="read back it is .* and was removed"):
         export(model, str(tmp_path / "half.keras"), sample=x, verbose=False)
     with pytest.raises(ValueError, match="read back its weights are not the bfloat16 weights it wrote"):
