@@ -65,14 +65,7 @@ def measure(call, name, batch_size, seq, budget_s):
     with tempfile.TemporaryDirectory() as tmp:
         if call in ("fit step", "recommend"):
             model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        runners = {  # each call as a function of nothing (None: the build, measured above)
-            "build": None,
-            "mixed build": lambda: build(name, "mixed_bfloat16"), "predict": lambda: model.predict(x, verbose=0),
-            "autocast": lambda: kmix.autocast(model, "O1-bfloat16"),
-            "model.export": lambda: model.export(os.path.join(tmp, "keras"), format="tf_saved_model", verbose=False),
-            "export": lambda: kmix.export(model, os.path.join(tmp, "kmix"), sample=x, verbose=False),
-            "fit step": lambda: model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0),
-            "recommend": lambda: kmix.recommend(model, x, y, batch_size=batch_size, budget_s=budget_s, verbose=False)}
+        runners = calls_on(model, name, x, y, batch_size, budget_s, tmp)
         if call not in runners:
             raise ValueError(f"`call` must be one of {list(runners)}. Received: call={call!r}")
         if runners[call] is not None:
@@ -80,6 +73,16 @@ def measure(call, name, batch_size, seq, budget_s):
     keras.config.set_dtype_policy("float32")
     return {"model": name, "call": call, "seconds": seconds, "build_s": build_s, "extra_bytes": extra,
             "kept_bytes": kept, "weight_bytes": weights, "parameters": model.count_params()}
+
+
+def calls_on(model, name, x, y, batch_size, budget_s, tmp):
+    """Each call of the table on `model` as a function of nothing (None: the build, which `measure` times)."""
+    return {"build": None, "mixed build": lambda: build(name, "mixed_bfloat16"),
+            "predict": lambda: model.predict(x, verbose=0), "autocast": lambda: kmix.autocast(model, "O1-bfloat16"),
+            "model.export": lambda: model.export(os.path.join(tmp, "keras"), format="tf_saved_model", verbose=False),
+            "export": lambda: kmix.export(model, os.path.join(tmp, "kmix"), sample=x, verbose=False),
+            "fit step": lambda: model.fit(x, y, batch_size=batch_size, epochs=1, verbose=0),
+            "recommend": lambda: kmix.recommend(model, x, y, batch_size=batch_size, budget_s=budget_s, verbose=False)}
 
 
 def run(models, calls=None, batch_size=4, seq=128, budget_s=30.0, fresh=True, verbose=True):
@@ -104,14 +107,11 @@ def rows(results):
     """The table's rows: each call's time and extra peak, and their ratios to the build and the weights."""
     table = []
     for r in results:
-        head = [r["model"], r["call"], CALLS.get(r["call"], "")]
-        if "error" in r:
-            table.append(head + ["failed", r["error"], "", "", "", ""])
-            continue
-        kept, weights = r.get("kept_bytes"), max(r["weight_bytes"], 1)
-        table.append(head + [f"{r['seconds']:.1f}", f"{r['seconds'] / max(r['build_s'], 1e-9):.2f}",
-                             f"{r['extra_bytes'] / 2**30:.2f}", f"{r['extra_bytes'] / weights:.2f}",
-                             *(["", ""] if kept is None else [f"{kept / 2**30:+.3f}", f"{kept / weights:+.3f}"])])
+        kept, weights, head = r.get("kept_bytes"), max(r.get("weight_bytes", 1), 1), [r["model"], r["call"]]
+        table.append(head + [CALLS.get(r["call"], "")] + (["failed", r["error"], "", "", "", ""] if "error" in r else [
+            f"{r['seconds']:.1f}", f"{r['seconds'] / max(r['build_s'], 1e-9):.2f}", f"{r['extra_bytes'] / 2**30:.2f}",
+            f"{r['extra_bytes'] / weights:.2f}",
+            *(["", ""] if kept is None else [f"{kept / 2**30:+.3f}", f"{kept / weights:+.3f}"])]))
     return table
 
 
