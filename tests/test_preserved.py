@@ -256,18 +256,29 @@ def test_an_empty_model_enters_and_exits_cleanly():
 
 def test_the_exit_guard_defers_a_sigint_while_holding_and_raises_it_on_close():
     """Outside the exit a Ctrl-C interrupts at once; while `holding` it waits for `close`, which also puts the
-    previous handler back."""
-    handler = signal.getsignal(signal.SIGINT)
+    previous handler back. The test starts from Python's own handler with SIGINT unblocked, whatever an earlier
+    test in this worker process left (a Ctrl-C raised nothing here once, in one xdist worker of a full run)."""
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    state = f"found: handler {outer!r}, blocked {sorted(blocked)}, pending {sorted(signal.sigpending())}"
     guard = _ExitGuard()
     try:
         assert signal.getsignal(signal.SIGINT) == guard._handle
-        with pytest.raises(KeyboardInterrupt):
+        try:
             signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            pass
+        else:
+            pytest.fail(f"a Ctrl-C outside the exit raised nothing ({state})")
         guard.holding = True
         signal.raise_signal(signal.SIGINT)  # deferred: no exception here
-        assert guard.received == [signal.SIGINT]
+        assert guard.received == [signal.SIGINT], state
     finally:
-        with pytest.raises(KeyboardInterrupt, match="deferred while kmix put the model back"):
-            guard.close()
-    assert signal.getsignal(signal.SIGINT) is handler and guard.received == []
+        try:
+            with pytest.raises(KeyboardInterrupt, match="deferred while kmix put the model back"):
+                guard.close()
+        finally:
+            handler = signal.signal(signal.SIGINT, outer)
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    assert handler is signal.default_int_handler and guard.received == [], state
     guard.close()  # a second close: nothing left to raise or put back
