@@ -54,6 +54,7 @@ def test_skipped_step_leaves_everything_bit_identical(mode):
     inner = keras.optimizers.Adam(1e-2, use_ema=True, ema_overwrite_frequency=None)
     opt = kmix.wrap(inner)  # float32 policy: fixed scale 1, still skips
     model.compile(optimizer=opt, loss="mse", **MODES[mode])
+    opt.build(model.trainable_variables)  # here, not inside fit's first trace (which traces it twice then)
     x, y = make_data(bad_rows=[20])  # batch 2 of 8-row batches holds an inf
     rec = Recorder()
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[rec])
@@ -81,6 +82,7 @@ def test_same_weights_as_keras_loss_scale_optimizer(jit):
         else:
             opt = kmix.wrap(inner, growth_interval=2, fused_update=False)  # Keras's Adam arithmetic: bitwise
         model.compile(optimizer=opt, loss="mse", jit_compile=jit)
+        opt.build(model.trainable_variables)
         model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
         weights[name] = (model.get_weights(), float(opt.dynamic_scale.numpy()), int(opt.iterations))
     # The scale grew and backed off along the way (4 of 12 steps overflow), identically.
@@ -143,6 +145,7 @@ def test_ema_matches_unwrapped():
         model = make_model()
         opt = wrap_like_float32(ema_adam()) if wrapped else ema_adam()
         model.compile(optimizer=opt, loss="mse", steps_per_execution=2)
+        opt.build(model.trainable_variables)
         fit_without_the_bad_batch(model, x, y, wrapped, [opt])
         runs[wrapped] = model.get_weights()
     for a, b in zip(runs[False], runs[True]):
@@ -206,6 +209,7 @@ def test_counters_survive_save_and_load(tmp_path):
     model = make_model(policy="mixed_float16")
     opt = kmix.wrap(keras.optimizers.Adam(1e-2), hysteresis=2, growth_interval=3)
     model.compile(optimizer=opt, loss="mse")
+    opt.build(model.trainable_variables)
     x, y = make_data(bad_rows=[3, 20])
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     path = str(tmp_path / "m.keras")

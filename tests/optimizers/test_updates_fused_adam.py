@@ -33,7 +33,9 @@ def trained_weights(optimizer, make_model=dense_model, x=X, jit=False, epochs=2)
     keras.utils.set_random_seed(1)
     model = make_model()
     model.compile(optimizer=optimizer, loss="mse", jit_compile=jit)
-    model.fit(x, Y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
+    optimizer.build(model.trainable_variables)  # here, not inside fit's first trace (which traces it twice then)
+    # Batched once, in order (numpy arrays would be sliced into batches again each epoch).
+    model.fit(tf.data.Dataset.from_tensor_slices((x, Y)).batch(16), epochs=epochs, shuffle=False, verbose=0)
     return [w.numpy() for w in model.weights]
 
 
@@ -147,6 +149,7 @@ def test_fused_model_saves_and_reloads(tmp_path):
     keras.utils.set_random_seed(1)
     model = dense_model()
     model.compile(optimizer=kmix.wrap(keras.optimizers.AdamW(1e-2)), loss="mse")
+    model.optimizer.build(model.trainable_variables)
     model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
     path = str(tmp_path / "m.keras")
     model.save(path)
@@ -176,7 +179,9 @@ def test_fused_update_on_real_models_follows_keras_update(name, level):
         with kmix.policy_scope(level):
             optimizer = kmix.wrap(keras.optimizers.AdamW(3e-3), fused_update=fused)
             placed.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        history = placed.fit(x, y, batch_size=4, epochs=3, shuffle=False, verbose=0).history["loss"]
+        optimizer.build(placed.trainable_variables)
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+        history = placed.fit(data, epochs=3, shuffle=False, verbose=0).history["loss"]
         assert updates.fused(optimizer.inner_optimizer) == fused
         runs[fused] = history, [w.numpy() for w in placed.trainable_weights]
     (loss_fused, fused_weights), (loss_keras, keras_weights) = runs[True], runs[False]

@@ -36,8 +36,9 @@ def functional():
 
 
 def gpt2():
+    # One transformer block: a second goes through the same writes, counts and config as the first.
     keras_hub = pytest.importorskip("keras_hub")
-    return keras_hub.models.GPT2Backbone(vocabulary_size=64, num_layers=2, num_heads=2, hidden_dim=16,
+    return keras_hub.models.GPT2Backbone(vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=16,
                                          intermediate_dim=32, max_sequence_length=16)
 
 
