@@ -278,7 +278,8 @@ def test_the_exit_guard_defers_a_sigint_while_holding_and_raises_it_on_close():
             with pytest.raises(KeyboardInterrupt, match="deferred while kmix put the model back"):
                 guard.close()
         finally:
-            handler = signal.signal(signal.SIGINT, signal.SIG_DFL if outer is None else outer)  # None: set outside Python
+            # None: the handler found was set outside Python.
+            handler = signal.signal(signal.SIGINT, signal.SIG_DFL if outer is None else outer)
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     assert handler is signal.default_int_handler and guard.received == [], state
     guard.close()  # a second close: nothing left to raise or put back
