@@ -1,4 +1,8 @@
-"""`LossScaleOptimizer.from_config(opt.get_config())` trains exactly as `opt`, for every way `kmix.wrap` makes one."""
+"""`LossScaleOptimizer.from_config(opt.get_config())` trains exactly as `opt`, for every way `kmix.wrap` makes one.
+
+Both train eagerly (`run_eagerly=True`): what is compared is the values, and no step is traced (two traces a
+case otherwise); the config has nothing that acts only in a traced step here (no batch statistics to put back).
+"""
 
 import warnings
 

@@ -3,7 +3,7 @@
 Each route is one step function written as its guide writes it, run with
 `kmix.wrap(SGD)` and, as the reference, with the bare SGD on the same model,
 data and initial weights, the route's loss-scale calls left out (so clipping
-stays). The model is float32 and the scale a power of two (2^12, dynamic), so
+stays). The model (one `Dense`) is float32 and the scale a power of two (2^12, dynamic), so
 multiplying and dividing by it is exact: the weights agree to float32
 rounding, and a gradient divided twice (an update 4096 times too small) or
 not divided (4096 times too large) is far outside the tolerance. SGD, not
@@ -137,7 +137,7 @@ def run(route, mode, wrapped):
     keras.utils.set_random_seed(0)
     strategy = two_replica_strategy() if mode == "mirrored" else tf.distribute.get_strategy()
     with strategy.scope():
-        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)])
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])  # one trace a run: a small one
         opt = keras.optimizers.SGD(0.05)
         if wrapped:
             opt = kmix.wrap(opt, dynamic=True, initial_scale=SCALE, growth_interval=1000)
