@@ -22,12 +22,10 @@ def sublayers(layer):
 def recast_variable(variable, dtype):
     """Gives a Keras variable new storage of `dtype`, holding its value cast: the same object.
 
-    `kmix.autocast` under a half-parameter policy (O2, O3) changes the dtype
-    of the user's own variables in place, so that every reference to them (a
-    layer's attribute, a user's handle, LoRA's) stays valid. Keras variables
-    have no public way to change their dtype; on TensorFlow a Keras variable
-    keeps its dtype in `_dtype` and its storage in a `tf.Variable` made by
-    `_initialize`.
+    `kmix.autocast` under a half-parameter policy (O2, O3) changes the dtype of the user's own variables
+    in place, so that every reference to them (a layer's attribute, a user's handle, LoRA's) stays valid.
+    Keras variables have no public way to change their dtype; on TensorFlow a Keras variable keeps its
+    dtype in `_dtype` and its storage in a `tf.Variable` made by `_initialize`.
     """
     import keras
 
@@ -84,10 +82,9 @@ def built_input_shapes(layer):
 def is_functional(model):
     """Whether `model` is a functional model: `keras.Model(inputs, outputs)` or a subclass of one.
 
-    keras-hub backbones and tasks subclass Keras's `Functional` class, which is
-    not exported (`keras.Model(inputs, outputs)` returns one, but the class has
-    no public name), and no public predicate tells a graph model from a
-    subclassed one.
+    keras-hub backbones and tasks subclass Keras's `Functional` class, which is not exported
+    (`keras.Model(inputs, outputs)` returns one, but the class has no public name), and no public
+    predicate tells a graph model from a subclassed one.
     """
     return isinstance(model, keras_src.functional_class())
 

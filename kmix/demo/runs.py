@@ -86,6 +86,7 @@ def train_run(run, policy, steps, data, verbose=1, learning_rate=2e-3):
         if verbose == "compact":
             callbacks, verbose = callbacks + [_CompactProgress(steps)], 0
         model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        model.optimizer.build(model.trainable_variables)  # built in fit's first step, that step would trace twice
         start = time.perf_counter()
         model.fit(x[:steps * BATCH], y[:steps * BATCH], batch_size=BATCH, shuffle=False, verbose=verbose,
                   callbacks=callbacks)

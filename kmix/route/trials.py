@@ -225,6 +225,7 @@ def _route_step(model, policy, jit, inner, loss, x, y):
     autocast(model, policy)
     with policy_scope(policy):
         shared.compile(optimizer=wrap(inner), loss=loss, jit_compile=jit)
+        shared.optimizer.build(shared.trainable_variables)  # built in the first step, that step would trace twice
     return lambda: shared.train_on_batch(x, y)  # returns the loss as a Python float: the device is done
 
 
