@@ -30,6 +30,11 @@ def linear_model(optimizer=None, **compile_kwargs):
         loss="mean_absolute_error",
         **compile_kwargs,
     )
+    # Built before `fit`, as Keras builds it under a distribution strategy: built in the first
+    # trace of the train step instead, a loss scale's counters make TensorFlow trace it twice.
+    # Run eagerly there is no trace: left to Keras, built in the first step.
+    if not compile_kwargs.get("run_eagerly"):
+        model.optimizer.build(model.trainable_variables)
     return model
 
 

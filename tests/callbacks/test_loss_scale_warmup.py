@@ -26,6 +26,7 @@ def float16_model(scaling=None, **compile_kwargs):
     )
     optimizer = kmix.wrap(keras.optimizers.SGD(0.0), **(scaling or {}))
     model.compile(optimizer=optimizer, loss="mse", **compile_kwargs)
+    model.optimizer.build(model.trainable_variables)  # built before fit: one trace of the train step, not two
     return model
 
 

@@ -29,6 +29,7 @@ def make(setup, weights=None):
     model.compile(optimizer=optimizer(), loss="mse", **MODES[mode])
     if weights is not None:
         model.set_weights(weights)
+    model.optimizer.build(model.trainable_variables)  # built before fit: one trace of the train step, not two
     return model
 
 
@@ -160,6 +161,7 @@ def wrapped_fit(bad_rows, callbacks=(), rows=None, weights=None):
     x[list(bad_rows)] = np.inf
     model = make("jit-mixed_float16-wrap(Adam)", weights)
     model.compile(optimizer=kmix.wrap(keras.optimizers.Adam(0.01)), loss="mse", jit_compile=False)
+    model.optimizer.build(model.trainable_variables)
     recorder = Recorder()
     rows = slice(None) if rows is None else rows
     model.fit(x[rows], y[rows], batch_size=1, verbose=0, shuffle=False, callbacks=[*callbacks, recorder])

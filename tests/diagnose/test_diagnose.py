@@ -160,6 +160,7 @@ def test_underflowing_gradients_and_the_recommended_scale():
         half.set_weights(model.get_weights())
         opt = kmix.wrap(keras.optimizers.SGD(1.0), initial_scale=scale, dynamic=False)
         half.compile(optimizer=opt, loss="mse")
+    opt.build(half.trainable_variables)  # built before the step: one trace of it, not two
     half.train_on_batch(x[:32], y[:32])
     assert int(opt.skipped_steps) == 0
     moved = half.get_weights()[0] - model.get_weights()[0]

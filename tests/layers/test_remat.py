@@ -118,6 +118,7 @@ def test_fit_under_o2_with_accumulation_and_masters_then_save_and_load():
             model = small_model(remat)
             model.compile(optimizer=kmix.wrap(keras.optimizers.Adam(1e-2), accumulation_steps=2),
                           loss="mse", jit_compile=False)
+            model.optimizer.build(model.trainable_variables)  # built before fit: one trace of the train step, not two
             model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
         assert model.optimizer.master_weights is True
         weights.append(model.get_weights())

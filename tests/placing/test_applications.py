@@ -223,6 +223,7 @@ def test_autocast_application_trains(name, level):
     with kmix.policy_scope(level):
         optimizer = kmix.wrap(keras.optimizers.Adam(1e-4))
         new.compile(optimizer=optimizer, loss=loss, jit_compile=False)
+    optimizer.build(new.trainable_variables)  # built before fit: one trace of the train step, not two
     before = {id(v): ops.convert_to_numpy(v).copy() for v in new.weights}
     # One step an epoch: each epoch's loss is that of the weights the step before left.
     history = new.fit(x, y, batch_size=len(x), epochs=STEPS, shuffle=False, verbose=0).history["loss"]

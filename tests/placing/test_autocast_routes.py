@@ -52,6 +52,7 @@ def test_transfer_learning_guide_unchanged():
             return
         with kmix.policy_scope("O1"):
             m.compile(optimizer=kmix.wrap(keras.optimizers.Adam(rate)), loss="mse")
+        m.optimizer.build(m.trainable_variables)  # built before fit: one trace of the train step, not two
 
     for m, base in ((model, base_model), (reference, reference_base)):
         compile_for(m, 1e-3)
@@ -169,6 +170,7 @@ def test_subclassed_model_trains_with_xla_like_float32(level):
         if placed:
             with kmix.policy_scope(level):
                 net.compile(optimizer=kmix.wrap(keras.optimizers.Adam(1e-2)), loss="mse", jit_compile=True)
+            net.optimizer.build(net.trainable_variables)
         else:
             net.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", run_eagerly=True)
         models.append(net.fit(x, y, batch_size=32, epochs=6, shuffle=False, verbose=0).history["loss"])

@@ -49,6 +49,7 @@ def train(level, half=None):
         model = base if level == "O0" else autocast(base, policy)
         opt = kmix.wrap(optimizer())
         model.compile(optimizer=opt, loss="mse")
+        opt.build(model.trainable_variables)  # built before fit: one trace of the train step, not two
         history = model.fit(x, y, batch_size=32, epochs=EPOCHS, shuffle=False, verbose=0)
     # Called once eagerly: a readout needs no `predict` trace.
     pred = keras.ops.convert_to_numpy(model(x, training=False)).astype(np.float64)
