@@ -45,9 +45,9 @@ class LossScaleMonitor(keras.callbacks.Callback):
         self.report = []
 
     def on_train_begin(self, logs=None):
-        """Records the counters training starts from and wraps the train function."""
+        """Builds the optimizer (else built in the first step, traced twice), records its counters, wraps the step."""
         self._optimizer = _common.loss_scale_optimizer(self.model, type(self).__name__)
-        # An optimizer Keras builds in the first step starts from zero counts.
+        _common.build_optimizer(self.model)  # an unbuilt model's optimizer: built in the first step, counts from zero
         self._skipped_at_train_begin = self._skipped_at_epoch_begin = self._counter("skipped_steps")
         self._min_overflows_seen = self._counter("min_scale_overflows")
         self._warned, self._calls, self._epoch, self._batch_begin, self._added = False, 0, 0, 0, None

@@ -29,7 +29,7 @@ def float16_model(**compile_kwargs):
     keras.config.set_dtype_policy("mixed_float16")  # restored by tests/conftest.py
     model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, kernel_initializer="zeros")])
     model.compile(optimizer=kmix.wrap(keras.optimizers.SGD(1e-3)), loss="mse", **compile_kwargs)
-    if not compile_kwargs.get("run_eagerly"):  # eager: the monitor meets an optimizer Keras builds in step 1
+    if not compile_kwargs.get("run_eagerly"):  # eager: left unbuilt, for the monitor to build at train begin
         model.optimizer.build(model.trainable_variables)  # built before fit: one trace of the train step, not two
     return model
 
@@ -77,6 +77,36 @@ def test_logged_scale_is_the_optimizers(mode, capsys):
     out = capsys.readouterr().out
     assert "4 step(s) skipped" in out and model.weights[0].path in out
     assert model.weights[1].path not in out
+
+
+def test_the_monitor_builds_the_optimizer_so_that_the_first_step_traces_once():
+    """Keras builds an unbuilt optimizer inside the first trace of the train step, and a first trace that
+    creates variables is traced again; the monitor builds it at train begin: as many traces as with the
+    optimizer built by hand, and the same weights."""
+    traces = []
+
+    class Counted(keras.layers.Layer):
+        def call(self, x):
+            traces.append(1)  # Python runs the call only while a step is traced
+            return x
+
+    def run(by_hand, callbacks):
+        keras.config.set_dtype_policy("mixed_float16")  # restored by tests/conftest.py
+        model = keras.Sequential([keras.Input((1,)), Counted(), keras.layers.Dense(1, kernel_initializer="zeros")])
+        model.compile(optimizer=kmix.wrap(keras.optimizers.SGD(1e-3)), loss="mse")
+        if by_hand:
+            model.optimizer.build(model.trainable_variables)
+        traces.clear()
+        model.fit(*overflow_data(), batch_size=1, shuffle=False, verbose=0, callbacks=callbacks)
+        return len(traces), model.get_weights()
+
+    monitored, weights = run(False, [LossScaleMonitor()])
+    by_hand, by_hand_weights = run(True, [LossScaleMonitor()])
+    lazy, lazy_weights = run(False, [])
+    assert monitored == by_hand <= lazy, (monitored, by_hand, lazy)
+    for ours, theirs, keras_own in zip(weights, by_hand_weights, lazy_weights):
+        np.testing.assert_array_equal(ours, theirs)
+        np.testing.assert_array_equal(ours, keras_own)
 
 
 def test_log_every_thins_the_batch_logs(capsys):
