@@ -105,8 +105,8 @@ def test_the_monitor_builds_the_optimizer_so_that_the_first_step_traces_once():
     lazy, lazy_weights = run(False, [])
     assert monitored == by_hand <= lazy, (monitored, by_hand, lazy)
     for ours, theirs, keras_own in zip(weights, by_hand_weights, lazy_weights):
-        np.testing.assert_array_equal(ours, theirs)
-        np.testing.assert_array_equal(ours, keras_own)
+        np.testing.assert_array_equal(ours, theirs)  # the same traced step
+        np.testing.assert_allclose(ours, keras_own, rtol=1e-6)  # a step traced otherwise: float32's rounding
 
 
 def test_log_every_thins_the_batch_logs(capsys):
