@@ -1,6 +1,9 @@
 """Shared pytest fixtures: every test starts and ends under Keras's default policy."""
 
+import gc
 import os
+
+import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # The same CPU kernels and allocator on every machine: TensorFlow turns oneDNN on by default
@@ -8,27 +11,39 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # (the memory tests read them). Read when TensorFlow is imported.
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
-import keras  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
-# Two logical CPU devices so that tf.distribute tests can run on one CPU.
-# This must happen before TensorFlow initialises its devices.
-_cpus = tf.config.list_physical_devices("CPU")
-if _cpus:
-    try:
-        tf.config.set_logical_device_configuration(
-            _cpus[0],
-            [tf.config.LogicalDeviceConfiguration()] * 2,
-        )
-    except RuntimeError:  # devices already initialised by an earlier import
-        pass
+def _hands_tests_out(config):
+    """True in pytest-xdist's controller (`-n 2`): it runs no test, and its workers start their own TensorFlow."""
+    return (config.getoption("dist", "no") != "no" and bool(config.getoption("tx", None))
+            and not hasattr(config, "workerinput") and not config.getoption("collectonly"))
 
-from kmix import _state  # noqa: E402  (after the device setup)
+
+def pytest_configure(config):
+    """Two logical CPU devices, so that tf.distribute tests can run on one CPU: set before TensorFlow
+    initialises its devices. Not in xdist's controller: importing TensorFlow there delays the workers by 5 s."""
+    if _hands_tests_out(config):
+        return
+    import tensorflow as tf
+
+    cpus = tf.config.list_physical_devices("CPU")
+    if cpus:
+        try:
+            tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+        except RuntimeError:  # devices already initialised by an earlier import
+            pass
+
+
+def pytest_collection_finish(session):
+    """What lives as long as the process (modules, TensorFlow's and Keras's registries, the collected tests) is
+    left out of every later full collection: kmix.export's and recommend's `gc.collect`, and Python's own."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` (pytest.ini) need a GPU: skipped, saying so, where TensorFlow sees none."""
+    import tensorflow as tf
+
     if tf.config.list_physical_devices("GPU"):
         return
     skip = pytest.mark.skip(reason="needs a GPU (marked gpu): `python -m pytest -m gpu` on a GPU machine")
@@ -48,6 +63,8 @@ def collective_keys_of_its_own():
     one strategy; a test process has many. TensorFlow's own tests move this class
     attribute by 100,000 per strategy for the same reason (strategy_combinations.py).
     """
+    import tensorflow as tf
+
     tf.distribute.MirroredStrategy._collective_key_base += 100_000
     yield
 
@@ -55,6 +72,10 @@ def collective_keys_of_its_own():
 @pytest.fixture(autouse=True)
 def restore_keras_globals():
     """Restore Keras's global dtype policy and kmix's policy after every test."""
+    import keras
+
+    from kmix import _state
+
     policy = keras.config.dtype_policy()
     saved = _state.save()
     yield
