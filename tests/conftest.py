@@ -20,7 +20,7 @@ def _hands_tests_out(config):
 
 def pytest_configure(config):
     """Two logical CPU devices, so that tf.distribute tests can run on one CPU: set before TensorFlow
-    initialises its devices. Not in xdist's controller: importing TensorFlow there delays the workers by 5 s."""
+    initialises its devices. Not in xdist's controller: importing it there held the workers back by about 9 s."""
     if _hands_tests_out(config):
         return
     import tensorflow as tf
