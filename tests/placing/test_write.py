@@ -163,6 +163,9 @@ def test_default_is_the_policy_most_layers_compute_under(stack):
     (np.ones(2, "float32"), False),          # not a tensor
     (1.5, False),
     (None, False),
+    (tf.sparse.from_dense(tf.constant([[1.0, 0.0]])), True),
+    (tf.ragged.constant([[1.0], [2.0, 3.0]]), True),
+    (keras.KerasTensor((2,), "float32"), False),  # symbolic: no value to recast
 ])
 def test_is_constant_is_a_float_tensor(value, expected):
     assert is_constant(value) is expected
@@ -172,6 +175,18 @@ def test_is_constant_leaves_variables_out():
     assert not is_constant(keras.Variable(np.ones(2, "float32")))
     assert not is_constant(tf.Variable(np.ones(2, "float32")))
     assert is_constant(tf.convert_to_tensor(keras.Variable(np.ones(2, "float32"))))
+
+
+def test_is_constant_agrees_with_tf_is_tensor_on_every_attribute_of_a_models_layers():
+    """The isinstance test against `tf.is_tensor` (what it replaced, 20x slower): the same answer on each value."""
+    inputs = keras.Input((4, 8))
+    h = keras.layers.MultiHeadAttention(2, 4)(inputs, inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.LayerNormalization()(h)))
+    model.layers[1].scale_constant = tf.constant(0.5)  # a constant computed when built, as some layers hold
+    values = [value for _, layer, _ in walk(model) for value in vars(layer).values()]
+    expected = [tf.is_tensor(v) and not isinstance(v, (keras.Variable, tf.Variable)) and v.dtype.is_floating
+                for v in values]
+    assert sum(expected) == 1 and [is_constant(v) for v in values] == expected
 
 
 def _lora_dense():
